@@ -1,0 +1,104 @@
+"""Everything that differs between transformers releases lives here, and nowhere else.
+
+* The decoder layers' cache keyword: `cache=` in transformers 5.x (with `past_key_values=` deprecated),
+  `past_key_values=` before.
+* Mask builders take `layer_idx`, so that a mask is sized against one layer's cache even while the shallow layers
+  hold more tokens than the deep ones (which is the normal state during early exit).
+* `Cache.crop` takes a negative count ("remove this many"); a positive count meant "keep this many" in 4.x and is
+  refused in 5.x. We always crop per layer, by a negative count.
+* Decoder layers return a tensor in 5.x and a tuple in older releases.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import torch
+import transformers
+from transformers import masking_utils
+from transformers.cache_utils import DynamicCache
+
+MIN_TRANSFORMERS = "5.20.0"
+
+
+def transformers_version() -> str:
+    return transformers.__version__
+
+
+@cache
+def cache_kwarg_for(layer_cls: type) -> str:
+    """The keyword a decoder layer class takes its cache under."""
+    params = inspect.signature(layer_cls.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    if "layer_past" in params:
+        return "layer_past"
+    raise TypeError(
+        f"{layer_cls.__name__}.forward takes no cache argument; this transformers release "
+        f"({transformers_version()}) is not supported."
+    )
+
+
+def layer_output_hidden(output: Any) -> torch.Tensor:
+    """The hidden states a decoder layer returned (a tensor in 5.x, the first element of a tuple before)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def new_cache(config: Any) -> DynamicCache:
+    """An empty dynamic cache laid out for `config` (sliding layers where the config has them)."""
+    return DynamicCache(config=config)
+
+
+def cache_layer_length(cache: DynamicCache, layer_idx: int) -> int:
+    return cache.get_seq_length(layer_idx)
+
+
+def crop_cache_layer(cache: DynamicCache, layer_idx: int, keep: int) -> None:
+    """Crop one layer of `cache` to its first `keep` positions (a negative count: the same meaning in 4.x and 5.x)."""
+    remove = cache.get_seq_length(layer_idx) - keep
+    if remove > 0:
+        cache.layers[layer_idx].crop(-remove)
+
+
+MASK_BUILDERS: dict[str, Callable[..., Any]] = {
+    "full_attention": masking_utils.create_causal_mask,
+    "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+}
+
+
+def build_mask(
+    kind: str,
+    config: Any,
+    hidden: torch.Tensor,
+    cache: DynamicCache,
+    position_ids: torch.Tensor,
+    layer_idx: int,
+) -> Any:
+    """The attention mask of one layer kind, sized against layer `layer_idx` of `cache`."""
+    try:
+        builder = MASK_BUILDERS[kind]
+    except KeyError:
+        raise NotImplementedError(f"Attention layer type {kind!r} is not supported yet.") from None
+    return builder(
+        config=config,
+        inputs_embeds=hidden,
+        attention_mask=None,
+        cache=cache,
+        position_ids=position_ids,
+        layer_idx=layer_idx,
+    )
+
+
+def check_supported() -> None:
+    """Raise a clear error on a transformers release whose APIs this package does not speak."""
+    params = inspect.signature(masking_utils.create_causal_mask).parameters
+    if "layer_idx" not in params:
+        raise ImportError(
+            f"early-exit-router needs transformers >= {MIN_TRANSFORMERS} (found {transformers_version()}): "
+            f"pip install 'transformers>={MIN_TRANSFORMERS},<6'."
+        )

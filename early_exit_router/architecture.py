@@ -1,0 +1,198 @@
+"""Per-architecture knowledge, read from the JSON files in `patches/`, and the layer stack it drives.
+
+A patch file says where a model family keeps its parts (`model.layers`, `model.norm`, ...), how positions reach the
+layers, and which attention mask each layer needs. `LayerStack` turns that into the few operations the engine
+needs: embed tokens, run layers `[start, stop)` over a chunk of positions against the shared cache, and apply the
+final norm and LM head. It calls the model's own modules; no HF modeling code is copied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _compat
+
+POSITION_STYLES = ("rotary_shared",)
+MASK_RULES = ("full", "layer_types", "sliding_window_config")
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """Where one model family keeps its parts. Loaded from `patches/<family>.json`."""
+
+    family: str
+    model_types: tuple[str, ...]
+    layers: str
+    embed_tokens: str
+    final_norm: str
+    lm_head: str
+    rotary_emb: str | None = None
+    position_style: str = "rotary_shared"
+    mask_rule: str = "full"
+    embed_scale: str | None = None  # "sqrt_hidden" multiplies embeddings by sqrt(hidden_size) (Gemma)
+    final_logit_softcapping_attr: str | None = None
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.position_style not in POSITION_STYLES:
+            raise ValueError(f"patch {self.family}: unknown position_style {self.position_style!r}")
+        if self.mask_rule not in MASK_RULES:
+            raise ValueError(f"patch {self.family}: unknown mask_rule {self.mask_rule!r}")
+
+
+def _patch_files() -> list[tuple[str, str]]:
+    """(name, text) of every patch file, from the installed package or, in a checkout, from `patches/`."""
+    try:
+        root = resources.files("early_exit_router.patches")
+        found = [(p.name, p.read_text()) for p in root.iterdir() if p.name.endswith(".json")]
+        if found:
+            return found
+    except ModuleNotFoundError:
+        pass
+    checkout = Path(__file__).resolve().parent.parent / "patches"
+    return [(p.name, p.read_text()) for p in sorted(checkout.glob("*.json"))]
+
+
+@lru_cache(maxsize=1)
+def architecture_table() -> dict[str, ArchitectureSpec]:
+    """model_type -> spec, for every supported model type."""
+    table: dict[str, ArchitectureSpec] = {}
+    known = {f.name for f in fields(ArchitectureSpec)}
+    for name, text in _patch_files():
+        data = json.loads(text)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"patch file {name} has unknown keys {sorted(unknown)}")
+        data["model_types"] = tuple(data["model_types"])
+        spec = ArchitectureSpec(**data)
+        for model_type in spec.model_types:
+            table[model_type] = spec
+    return table
+
+
+def supported_model_types() -> list[str]:
+    return sorted(architecture_table())
+
+
+def spec_for(model: nn.Module) -> ArchitectureSpec:
+    """The spec for `model`, or a clear error listing the supported model types."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    table = architecture_table()
+    if model_type not in table:
+        raise ValueError(
+            f"Unsupported architecture {model_type!r} ({type(model).__name__}). "
+            f"Supported model_type values: {', '.join(supported_model_types())}. "
+            "Open an issue with the model name to ask for another family."
+        )
+    spec = table[model_type]
+    for path in (spec.layers, spec.embed_tokens, spec.final_norm, spec.lm_head, spec.rotary_emb):
+        if path is not None:
+            try:
+                operator.attrgetter(path)(model)
+            except AttributeError:
+                raise ValueError(
+                    f"{type(model).__name__} (model_type {model_type!r}) has no `{path}`; early-exit-router needs a "
+                    "causal LM with its LM head (e.g. AutoModelForCausalLM), not a bare base model."
+                ) from None
+    return spec
+
+
+class LayerStack:
+    """The operations the engine runs on one HF causal LM: embed, run a layer range, final norm + LM head."""
+
+    def __init__(self, model: nn.Module, spec: ArchitectureSpec) -> None:
+        self.model = model
+        self.spec = spec
+        self.config = model.config
+        self.layers: nn.ModuleList = operator.attrgetter(spec.layers)(model)
+        self.embed_tokens: nn.Module = operator.attrgetter(spec.embed_tokens)(model)
+        self.final_norm: nn.Module = operator.attrgetter(spec.final_norm)(model)
+        self.lm_head: nn.Module = operator.attrgetter(spec.lm_head)(model)
+        self.rotary_emb: nn.Module | None = operator.attrgetter(spec.rotary_emb)(model) if spec.rotary_emb else None
+        self.num_layers = len(self.layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(self.lm_head.weight.shape[0])
+        self.mask_kinds = [self._mask_kind(j) for j in range(self.num_layers)]
+        self._cache_kwarg = _compat.cache_kwarg_for(type(self.layers[0]))
+        self._softcap = (
+            getattr(self.config, spec.final_logit_softcapping_attr, None) if spec.final_logit_softcapping_attr else None
+        )
+
+    def _mask_kind(self, layer_idx: int) -> str:
+        rule = self.spec.mask_rule
+        if rule == "layer_types":
+            layer_types = getattr(self.config, "layer_types", None)
+            return layer_types[layer_idx] if layer_types else "full_attention"
+        if rule == "sliding_window_config":
+            return "full_attention" if getattr(self.config, "sliding_window", None) is None else "sliding_attention"
+        return "full_attention"
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self) -> Any:
+        return _compat.new_cache(self.config)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(1, q) token ids -> (1, q, hidden)."""
+        hidden = self.embed_tokens(input_ids)
+        if self.spec.embed_scale == "sqrt_hidden":
+            hidden = hidden * torch.tensor(math.sqrt(self.hidden_size), dtype=hidden.dtype)
+        return hidden
+
+    def run(self, hidden: torch.Tensor, start: int, stop: int, cache: Any, positions: torch.Tensor) -> torch.Tensor:
+        """Run layers `[start, stop)` over a chunk of consecutive positions.
+
+        `hidden` is (1, q, hidden_size) for positions `positions` (1, q); every layer in the range must hold exactly
+        the positions before `positions[0, 0]` in `cache`, and gains these q positions.
+        """
+        if start >= stop:
+            return hidden
+        position_embeddings = self.rotary_emb(hidden, positions) if self.rotary_emb is not None else None
+        masks: dict[str, Any] = {}
+        for layer_idx in range(start, stop):
+            kind = self.mask_kinds[layer_idx]
+            if kind not in masks:
+                # Sized against this layer's cache: deep layers may hold fewer positions than shallow ones.
+                masks[kind] = _compat.build_mask(kind, self.config, hidden, cache, positions, layer_idx)
+            output = self.layers[layer_idx](
+                hidden,
+                attention_mask=masks[kind],
+                position_ids=positions,
+                position_embeddings=position_embeddings,
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+            )
+            hidden = _compat.layer_output_hidden(output)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head (+ soft-capping where configured): (1, q, hidden) -> (1, q, vocab)."""
+        return self.unembed(self.final_norm(hidden))
+
+    def unembed(self, normed: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(normed)
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def shared_head_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors every exit head shares with the base model (hashed to match saved heads to their base)."""
+        tensors = {f"lm_head.{k}": v for k, v in self.lm_head.state_dict().items()}
+        tensors.update({f"final_norm.{k}": v for k, v in self.final_norm.state_dict().items()})
+        return tensors

@@ -1,0 +1,142 @@
+"""The saved-router format: `early_exit_config.json` + `early_exit_heads.safetensors`, heads only.
+
+The JSON records the format version, the router config, the exit heads' layout, and the base model's identity:
+its name, depth, widths, a SHA-256 of its LM head and final norm, and a coarse numeric fingerprint of the same
+tensors. Loading onto another base model is refused; the fingerprint lets the same weights in another dtype
+(bf16 vs fp32) through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import RouterConfig
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "early_exit_config.json"
+WEIGHTS_NAME = "early_exit_heads.safetensors"
+FINGERPRINT_CHUNKS = 32
+
+
+class BaseModelMismatchError(ValueError):
+    """The saved heads were trained for another base model."""
+
+
+def is_router_dir(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_NAME).is_file()
+
+
+def head_hash(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the shared head tensors, rounded to bf16 so fp32 and bf16 copies of one model hash alike."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu", torch.bfloat16).contiguous()
+        digest.update(name.encode())
+        digest.update(t.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def head_fingerprint(tensors: dict[str, torch.Tensor]) -> list[float]:
+    """Mean absolute value of FINGERPRINT_CHUNKS slices of each shared tensor: equal up to dtype rounding."""
+    values: list[float] = []
+    for name in sorted(tensors):
+        flat = tensors[name].detach().float().flatten().cpu()
+        values.extend(chunk.abs().mean().item() for chunk in flat.chunk(FINGERPRINT_CHUNKS))
+    return values
+
+
+@dataclass
+class BaseModelIdentity:
+    """What a saved router records of the model it was built on."""
+
+    name_or_path: str
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    head_hash: str
+    head_fingerprint: list[float]
+
+    def check_matches(self, other: BaseModelIdentity) -> None:
+        """Raise BaseModelMismatchError, saying what differs, unless `other` is the same base model."""
+        for name in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                raise BaseModelMismatchError(
+                    f"These exit heads were trained for {self.name_or_path!r} ({name} {mine}), but the model has "
+                    f"{name} {theirs}. Load them with the base model they were trained for, or train new heads."
+                )
+        if self.head_hash == other.head_hash:
+            return
+        close = len(self.head_fingerprint) == len(other.head_fingerprint) and torch.allclose(
+            torch.tensor(self.head_fingerprint), torch.tensor(other.head_fingerprint), rtol=2e-2, atol=1e-5
+        )
+        if not close:
+            raise BaseModelMismatchError(
+                f"These exit heads were trained for {self.name_or_path!r}, whose LM head and final norm differ from "
+                f"the model's ({other.name_or_path!r}): hash {self.head_hash[:12]} vs {other.head_hash[:12]}. "
+                "Load them with the base model they were trained for, or train new heads."
+            )
+
+
+def save_router(
+    path: str | Path,
+    config: RouterConfig,
+    heads_state: dict[str, torch.Tensor],
+    exit_layers: list[int],
+    has_gates: bool,
+    identity: BaseModelIdentity,
+    library_version: str,
+) -> None:
+    """Write the two files of a saved router into `path` (created if needed)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "library_version": library_version,
+        "base_model": identity.__dict__,
+        "heads": {"exit_layers": exit_layers, "gates": has_gates},
+        "router_config": config.to_dict(),
+    }
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads_state.items()}
+    save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt", "format_version": str(FORMAT_VERSION)})
+    (path / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+@dataclass
+class SavedRouter:
+    config: RouterConfig
+    identity: BaseModelIdentity
+    exit_layers: list[int]
+    has_gates: bool
+    tensors: dict[str, torch.Tensor]
+
+
+def load_router(path: str | Path) -> SavedRouter:
+    """Read a saved router folder; clear errors for missing files and unknown format versions."""
+    path = Path(path)
+    config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
+    for f in (config_file, weights_file):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is missing: a saved router folder holds {CONFIG_NAME} and {WEIGHTS_NAME}.")
+    meta: dict[str, Any] = json.loads(config_file.read_text())
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{config_file} has format_version {version!r}; this early-exit-router reads version {FORMAT_VERSION}. "
+            "Upgrade the package (or re-save the router with this version)."
+        )
+    return SavedRouter(
+        config=RouterConfig.from_dict(meta["router_config"]),
+        identity=BaseModelIdentity(**meta["base_model"]),
+        exit_layers=list(meta["heads"]["exit_layers"]),
+        has_gates=bool(meta["heads"]["gates"]),
+        tensors=load_file(str(weights_file)),
+    )

@@ -1,0 +1,173 @@
+"""Command line: `early-exit-router generate ...`. Router options are generated from `RouterConfig`'s fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import warnings
+from typing import Any
+
+from .config import RouterConfig
+from .models import DEFAULT_MODEL
+
+DEFAULT_PROMPT = "List the seven days of the week as a numbered list, one per line, nothing else."
+
+
+def _add_router_options(parser: argparse.ArgumentParser) -> None:
+    """One --option per RouterConfig field, with the field's own help text. Unset options keep saved values."""
+    group = parser.add_argument_group("router options (default: the saved or built-in RouterConfig)")
+    for f in dataclasses.fields(RouterConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} (built-in default: {f.default!r})"
+        if f.name == "exit_layers":
+            group.add_argument(flag, type=_int_list, default=None, metavar="E1,E2", help=help_text)
+        elif f.type in ("bool", bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif f.name == "mode":
+            group.add_argument(flag, choices=["exit", "verify"], default=None, help=help_text)
+        else:
+            kind = int if isinstance(f.default, int) and not isinstance(f.default, bool) else float
+            kind = str if isinstance(f.default, str) else kind
+            group.add_argument(flag, type=kind, default=None, help=help_text)
+
+
+def _router_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(RouterConfig)
+        if getattr(args, f.name, None) is not None
+    }
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices like 10,20, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="early-exit-router",
+        description="One-model early-exit generation for Hugging Face causal LMs, with layer-wise KV filling.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser(
+        "generate",
+        help="Generate text with early exit and print routing statistics.",
+        description="Generate from a prompt with early exit; print the text and the routing statistics.",
+    )
+    gen.add_argument(
+        "prompt", nargs="?", default=DEFAULT_PROMPT, help="The prompt text (default: a short list-making request)."
+    )
+    gen.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="Alias, local HF model folder, .gguf file, or saved router folder (default: %(default)s).",
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=96, help="Most tokens to generate (default: %(default)s).")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Wrap the prompt in the tokenizer's chat template when it has one (default: on).",
+    )
+    gen.add_argument("--do-sample", action="store_true", help="Sample instead of greedy decoding.")
+    gen.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (default: %(default)s).")
+    gen.add_argument("--top-k", type=int, default=None, help="Sample from the k most likely tokens.")
+    gen.add_argument("--top-p", type=float, default=None, help="Nucleus sampling mass.")
+    gen.add_argument("--seed", type=int, default=None, help="Seed for reproducible sampling.")
+    gen.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
+    gen.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="Model dtype (default: float32)."
+    )
+    gen.add_argument("--device", default=None, help="Device, e.g. cpu or cuda (default: cpu).")
+    gen.add_argument("--stream", action="store_true", help="Print tokens as they become final.")
+    gen.add_argument(
+        "--compare",
+        action="store_true",
+        help="Also run plain HF generate on the same prompt and report the speed ratio and token match.",
+    )
+    gen.add_argument("--json", action="store_true", help="Print the statistics as JSON instead of a summary.")
+    _add_router_options(gen)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    from .router import EarlyExitRouter
+
+    router = EarlyExitRouter.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, **_router_overrides(args)
+    )
+    print(router.describe(), file=sys.stderr)
+    chat = args.chat and router.tokenizer is not None and bool(getattr(router.tokenizer, "chat_template", None))
+    input_ids = router.encode(args.prompt, chat=chat)
+    streamer = TextStreamer(router.tokenizer, skip_prompt=True) if args.stream and router.tokenizer else None
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_strings=args.stop,
+    )
+    out = router.generate(input_ids, streamer=streamer, **kwargs)
+    new_ids = out.sequences[0, input_ids.shape[1] :]
+    text = router.tokenizer.decode(new_ids, skip_special_tokens=True) if router.tokenizer else str(new_ids.tolist())
+    report: dict[str, Any] = {"stats": out.stats.to_dict()}
+    if not args.stream:
+        print(text)
+    if args.compare:
+        with router.disabled():
+            start = time.perf_counter()
+            plain = router.generate(input_ids, **kwargs)
+            plain_s = time.perf_counter() - start
+        plain_new = plain.sequences[0, input_ids.shape[1] :]
+        n = min(len(plain_new), len(new_ids))
+        first_diff = next((i for i in range(n) if int(plain_new[i]) != int(new_ids[i])), None)
+        report["compare"] = {
+            "plain_tokens_per_s": plain.stats.tokens_per_s,
+            "speedup": out.stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else None,
+            "identical": torch.equal(plain.sequences, out.sequences),
+            "first_divergence": first_diff if first_diff is not None or len(plain_new) == len(new_ids) else n,
+            "plain_wall_s": plain_s,
+        }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("\n--- routing statistics ---")
+        print(out.stats.summary())
+        if args.compare:
+            c = report["compare"]
+            print(
+                f"plain HF generate: {c['plain_tokens_per_s']:.1f} tok/s; speed ratio {c['speedup']:.2f}x; "
+                f"identical tokens: {c['identical']}"
+                + ("" if c["identical"] else f" (first divergence at new token {c['first_divergence']})")
+            )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    warnings.simplefilter("default", UserWarning)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""`RouterConfig`: every knob of the exit heads and the router, saved as JSON beside the heads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODES = ("exit", "verify")
+ADAPTER_KINDS = ("identity", "linear", "lowrank")
+
+
+@dataclass
+class RouterConfig:
+    """Configuration of exit heads and routing.
+
+    Every field carries a `help` string in its metadata; `RouterConfig.describe()` prints them and the CLI reuses
+    them for `--help`. Validation happens in `__post_init__` (ranges that need no model) and in
+    `check_model_depth` (exit layers against the model's depth).
+    """
+
+    exit_layers: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "0-based layer indices with an exit head; exit `e` reads the output of layer `e` "
+            "(HF `hidden_states[e + 1]`). Strictly increasing, each below the last layer. "
+            "None picks layers at 1/3 and 2/3 of the depth."
+        },
+    )
+    mode: str = field(
+        default="exit",
+        metadata={
+            "help": "'exit': exited tokens are final (lossy, fastest). 'verify': exited tokens are drafts that the "
+            "next deep pass verifies, so greedy output equals the full model's (lossless)."
+        },
+    )
+    high_conf_threshold: float = field(
+        default=0.9,
+        metadata={"help": "Exit when the head's max softmax probability is at or above this (in [0, 1])."},
+    )
+    low_conf_threshold: float = field(
+        default=0.4,
+        metadata={
+            "help": "Go deeper when the max probability is below this (in [0, 1], at most high_conf_threshold). "
+            "Between the two, the entropy rule decides."
+        },
+    )
+    entropy_threshold: float = field(
+        default=0.15,
+        metadata={
+            "help": "Exit when the head's entropy is at or below this. In nats, or as a share of log(vocab) "
+            "when entropy_normalized is true (then in [0, 1])."
+        },
+    )
+    entropy_normalized: bool = field(
+        default=True,
+        metadata={"help": "Divide entropy by log(vocab) so that one threshold transfers across vocabularies."},
+    )
+    block_size: int = field(
+        default=1,
+        metadata={
+            "help": "Decide once per block of this many tokens: the block's first token runs the cascade, the "
+            "rest leave at the same depth without consulting the router. 1 decides per token."
+        },
+    )
+    max_pending: int = field(
+        default=8,
+        metadata={
+            "help": "Window rule: at most this many exited tokens may wait for the deep layers; at the limit the "
+            "next token is forced through the full depth, filling their KV in the same pass."
+        },
+    )
+    confidence_window: int = field(
+        default=0,
+        metadata={
+            "help": "Optional low-confidence window: if the mean confidence of the last this-many exits is below "
+            "window_min_confidence, force a deep pass. 0 turns the rule off."
+        },
+    )
+    window_min_confidence: float = field(
+        default=0.0,
+        metadata={"help": "Mean-confidence bound for confidence_window (in [0, 1])."},
+    )
+    gate_threshold: float = field(
+        default=0.5,
+        metadata={
+            "help": "When an exit has a learned gate, its predicted probability that the exit agrees with the "
+            "full model must reach this, or the head is skipped and the token goes deeper (in [0, 1])."
+        },
+    )
+    use_gate: bool = field(
+        default=True,
+        metadata={"help": "Use learned gates where the checkpoint has them. False ignores them."},
+    )
+    adapter: str = field(
+        default="linear",
+        metadata={
+            "help": "Exit adapter kind: 'identity' (logit lens, no parameters), 'linear' (residual full-rank "
+            "affine, tuned-lens style) or 'lowrank' (residual low-rank)."
+        },
+    )
+    adapter_rank: int = field(
+        default=64,
+        metadata={"help": "Rank of the 'lowrank' adapter."},
+    )
+    heads_trained: bool = field(
+        default=False,
+        metadata={
+            "help": "Set by training. False means the heads are the untrained logit lens, which is confidently "
+            "wrong on most models: lossy exits then warn."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.exit_layers is not None:
+            self.exit_layers = [int(e) for e in self.exit_layers]
+            _check_exit_layers(self.exit_layers)
+        if self.mode not in MODES:
+            raise ValueError(f"Unknown mode {self.mode!r}: use one of {', '.join(MODES)}.")
+        for name in ("high_conf_threshold", "low_conf_threshold", "gate_threshold", "window_min_confidence"):
+            _check_unit_interval(name, getattr(self, name))
+        if self.low_conf_threshold > self.high_conf_threshold:
+            raise ValueError(
+                f"low_conf_threshold ({self.low_conf_threshold}) is above high_conf_threshold "
+                f"({self.high_conf_threshold}): set low <= high."
+            )
+        if self.entropy_normalized:
+            _check_unit_interval("entropy_threshold (normalized)", self.entropy_threshold)
+        elif not (self.entropy_threshold >= 0 and math.isfinite(self.entropy_threshold)):
+            raise ValueError(f"entropy_threshold must be a finite number of nats >= 0, got {self.entropy_threshold}.")
+        for name, low in (("block_size", 1), ("max_pending", 1), ("confidence_window", 0), ("adapter_rank", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+        if self.adapter not in ADAPTER_KINDS:
+            raise ValueError(f"Unknown adapter {self.adapter!r}: use one of {', '.join(ADAPTER_KINDS)}.")
+
+    def check_model_depth(self, num_layers: int) -> None:
+        """Raise a clear error when an exit layer does not fit a model with `num_layers` layers."""
+        if self.exit_layers is None:
+            return
+        bad = [e for e in self.exit_layers if not 0 <= e < num_layers - 1]
+        if bad:
+            raise ValueError(
+                f"Exit layers {bad} are out of range for a model with {num_layers} layers: use 0-based indices "
+                f"from 0 to {num_layers - 2} (layer {num_layers - 1} is the full depth)."
+            )
+
+    def resolved_exit_layers(self, num_layers: int) -> list[int]:
+        """The configured exit layers, or the default ones (1/3 and 2/3 of the depth)."""
+        if self.exit_layers is not None:
+            self.check_model_depth(num_layers)
+            return list(self.exit_layers)
+        return sorted({max(0, min(num_layers - 2, round(num_layers * f))) for f in (1 / 3, 2 / 3)})
+
+    def replace(self, **changes: Any) -> RouterConfig:
+        """A validated copy with `changes` applied; unknown names raise a TypeError listing the valid ones."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"Unknown RouterConfig fields {unknown}; valid fields: {', '.join(self.field_names())}.")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def describe(cls) -> str:
+        """One line per field: name, default, help."""
+        lines = []
+        for f in dataclasses.fields(cls):
+            lines.append(f"{f.name} (default {f.default!r}): {f.metadata['help']}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RouterConfig:
+        unknown = sorted(set(data) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"Saved router config has unknown fields {unknown}; it was written by a newer early-exit-router. "
+                "Upgrade the package to load it."
+            )
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _check_unit_interval(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}.")
+
+
+def _check_exit_layers(layers: list[int]) -> None:
+    if any(e < 0 for e in layers):
+        raise ValueError(f"Exit layers must be 0-based non-negative indices, got {layers}.")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"Exit layers contain duplicates: {layers}. List each layer once.")
+    if layers != sorted(layers):
+        raise ValueError(f"Exit layers must be sorted in increasing order, got {layers}; use {sorted(layers)}.")

@@ -1,0 +1,439 @@
+"""The decode loop: early exit with layer-wise KV filling, in `exit` (lossy) or `verify` (lossless) mode.
+
+Layers are split into segments at the exit points: with exits `e_0 < e_1 < ...`, segment 0 is layers `0..e_0`,
+segment `i + 1` is layers `e_i + 1 .. e_{i+1}`, and the last segment ends at the last layer. Every layer of a
+segment always holds the same positions in the cache.
+
+A token that exits at exit `i` leaves its hidden state (the output of segment `i`) in `buffers[i]`. The positions
+in `buffers[i]` are exactly those segment `i` has seen and segment `i + 1` has not, so they are consecutive. When a
+later token goes deeper than exit `i`, it is appended to `buffers[i]` and the whole chunk runs segment `i + 1` in
+one batched pass: that is the layer-wise KV fill. After the last segment, the chunk's final-layer logits are the
+full model's predictions for every waiting position: `exit` mode compares them with the emitted tokens
+(agreement), `verify` mode accepts the longest matching prefix and crops every layer's cache after it.
+
+All per-sequence state lives in `SequenceState`, so batching can add one per sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _compat
+from .architecture import LayerStack
+from .config import RouterConfig
+from .heads import ExitHeads
+from .routing import FULL_DEPTH, Router, RoutingState
+from .sampling import TokenSelector
+from .stats import GenerationStats
+
+
+@dataclass
+class DecodeRequest:
+    """What one `generate` call asks for, already validated."""
+
+    mode: str
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    stopping_criteria: Any = None  # transformers StoppingCriteriaList, or None
+    streamer: Any = None  # transformers BaseStreamer, or None
+    tokenizer: Any = None  # needed for stop_strings
+    output_logits: bool = False
+
+
+@dataclass
+class SequenceState:
+    """Everything one sequence carries between decode steps."""
+
+    tokens: list[int]  # prompt + generated, on the host
+    prompt_len: int
+    seq: torch.Tensor  # (1, capacity) the same tokens on the model's device
+    cache: Any
+    buffers: list[torch.Tensor | None]  # per exit: (1, m, hidden) waiting for the next segment
+    routing: RoutingState
+    depth: list[int] = field(default_factory=list)  # per new token: layer it left at
+    draft_exit: dict[int, int] = field(default_factory=dict)  # position -> exit index of the token it predicted
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # verify + sampling: q(x) per position
+    logits: list[torch.Tensor] = field(default_factory=list)  # per new token, when requested
+    deep_len: int = 0  # positions the last layer has seen
+    streamed: int = 0  # tokens handed to the streamer
+    checked_by_exit: list[int] = field(default_factory=list)
+    agreed_by_exit: list[int] = field(default_factory=list)
+    deep_passes: int = 0
+    fill_positions: int = 0
+    forced: int = 0
+    rejected: int = 0
+    routing_s: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Fed positions the deep layers have not seen yet."""
+        return len(self.tokens) - 1 - self.deep_len
+
+
+class Engine:
+    """Runs generation for one wrapped model with its exit heads and router."""
+
+    def __init__(self, stack: LayerStack, heads: ExitHeads, router: Router, config: RouterConfig) -> None:
+        self.stack = stack
+        self.heads = heads
+        self.router = router
+        self.config = config
+        self.exits = list(heads.exit_layers)
+        # segment s runs layers [starts[s], starts[s + 1])
+        self.starts = [0] + [e + 1 for e in self.exits] + [stack.num_layers]
+        self.full_layer = stack.num_layers - 1
+
+    # ----------------------------------------------------------------------------------------------- entry point
+    @torch.no_grad()  # not inference_mode: returned tensors must stay usable with autograd
+    def generate(
+        self, input_ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector
+    ) -> tuple[torch.Tensor, GenerationStats, list[torch.Tensor], Any]:
+        start = time.perf_counter()
+        state = self._prefill(input_ids, request, selector)
+        prefill_s = time.perf_counter() - start
+        while True:
+            if self._should_stop(state, request):
+                if state.pending == 0:
+                    break
+                rejected = self._flush(state, request, selector)
+                if not rejected:
+                    break
+                continue
+            self._step(state, request, selector)
+        self._stream(state, request, len(state.tokens))
+        if request.streamer is not None:
+            request.streamer.end()
+        wall = time.perf_counter() - start
+        sequences = state.seq[:, : len(state.tokens)].clone()
+        return sequences, self._stats(state, request, wall, prefill_s), state.logits, state.cache
+
+    # --------------------------------------------------------------------------------------------------- prefill
+    def _prefill(self, input_ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> SequenceState:
+        stack = self.stack
+        n = input_ids.shape[1]
+        seq = torch.empty((1, n + request.max_new_tokens + 1), dtype=torch.long, device=stack.device)
+        seq[:, :n] = input_ids
+        state = SequenceState(
+            tokens=input_ids[0].tolist(),
+            prompt_len=n,
+            seq=seq,
+            cache=stack.new_cache(),
+            buffers=[None] * len(self.exits),
+            routing=self.router.new_state(),
+            checked_by_exit=[0] * len(self.exits),
+            agreed_by_exit=[0] * len(self.exits),
+        )
+        positions = torch.arange(n, device=stack.device).unsqueeze(0)
+        hidden = stack.run(stack.embed(input_ids), 0, stack.num_layers, state.cache, positions)
+        logits = stack.logits(hidden[:, -1:])[:, -1]  # (1, vocab): only the last position's prediction is needed
+        state.deep_len = n
+        if request.streamer is not None:
+            request.streamer.put(input_ids[0].cpu())
+        token = selector.choose(seq[:, :n], logits)
+        self._append(state, token, int(token.item()), self.full_layer, logits, request)
+        return state
+
+    # ------------------------------------------------------------------------------------------------ one step
+    def _step(self, state: SequenceState, request: DecodeRequest, selector: TokenSelector) -> None:
+        """Feed the last token; it leaves at an exit or runs the full depth (filling the waiting KV on the way)."""
+        stack, router = self.stack, self.router
+        q = len(state.tokens) - 1
+        positions = torch.arange(q, q + 1, device=stack.device).unsqueeze(0)
+        hidden = stack.run(stack.embed(state.seq[:, q : q + 1]), 0, self.starts[1], state.cache, positions)
+        chunk_start = q
+
+        forced = router.forced_deep(state.routing, state.pending)
+        if forced:
+            router.end_block(state.routing)
+            state.forced += 1
+        target = None if forced else router.block_target(state.routing)
+
+        for i, layer in enumerate(self.exits):
+            if not forced and target in (None, i):
+                exited = self._try_exit(state, i, layer, hidden, chunk_start, q, target, request, selector)
+                if exited:
+                    return
+            # Deeper: the waiting positions of this exit join the chunk (layer-wise KV fill).
+            waiting = state.buffers[i]
+            if waiting is not None:
+                chunk_start -= waiting.shape[1]
+                hidden = torch.cat([waiting, hidden], dim=1)  # (1, m, hidden), positions chunk_start..q
+                state.buffers[i] = None
+            positions = torch.arange(chunk_start, q + 1, device=stack.device).unsqueeze(0)
+            hidden = stack.run(hidden, self.starts[i + 1], self.starts[i + 2], state.cache, positions)
+
+        if target is None and not forced:
+            router.start_block(state.routing, FULL_DEPTH)
+        self._finish_deep(state, hidden, chunk_start, True, request, selector)
+
+    def _try_exit(
+        self,
+        state: SequenceState,
+        i: int,
+        layer: int,
+        hidden: torch.Tensor,
+        chunk_start: int,
+        q: int,
+        target: int | None,
+        request: DecodeRequest,
+        selector: TokenSelector,
+    ) -> bool:
+        """Ask exit `i` about position `q`; on exit, emit its token and park the chunk in `buffers[i]`."""
+        router = self.router
+        last = hidden[:, -1]  # (1, hidden): the current token at this exit
+        gate = self.heads.gate(layer) if self.config.use_gate else None
+        if target is None and gate is not None:
+            t0 = time.perf_counter()
+            allowed = bool(router.gate_allows(gate(last)).item())
+            state.routing_s += time.perf_counter() - t0
+            if not allowed:
+                return False
+        logits = self.stack.unembed(self.stack.final_norm(self.heads.adapter(layer)(last)))  # (1, vocab)
+        token = selector.choose(state.seq[:, : q + 1], logits)
+        if target is None:
+            t0 = time.perf_counter()
+            exit_flag, confidence = router.head_signal(logits[0])
+            # One host sync per decision: the flag, the confidence and the token together.
+            flag, conf, token_id = torch.stack(
+                [exit_flag.double(), confidence.double(), token.reshape(()).double()]
+            ).tolist()
+            state.routing_s += time.perf_counter() - t0
+            if not flag:
+                return False
+            router.start_block(state.routing, i)
+            router.record_exit(state.routing, conf)
+        else:
+            token_id = token.item()
+        waiting = state.buffers[i]
+        state.buffers[i] = hidden if waiting is None else torch.cat([waiting, hidden], dim=1)
+        state.draft_exit[q] = i
+        if request.mode == "verify" and selector.params.do_sample:
+            state.draft_probs[q] = torch.softmax(selector.scores(state.seq[:, : q + 1], logits), dim=-1)[0]
+        self._append(state, token, int(token_id), layer, logits, request)
+        return True
+
+    # --------------------------------------------------------------------------------------------- deep passes
+    def _flush(self, state: SequenceState, request: DecodeRequest, selector: TokenSelector) -> bool:
+        """Run every waiting position through the rest of the model, with no new token. Returns `rejected`."""
+        stack = self.stack
+        end = len(state.tokens) - 1  # fed positions are 0..end-1; the waiting ones end the range
+        chunk_start = end
+        hidden: torch.Tensor | None = None
+        for i in range(len(self.exits)):
+            waiting = state.buffers[i]
+            if waiting is not None:
+                chunk_start -= waiting.shape[1]
+                hidden = waiting if hidden is None else torch.cat([waiting, hidden], dim=1)
+                state.buffers[i] = None
+            if hidden is not None:
+                positions = torch.arange(chunk_start, end, device=stack.device).unsqueeze(0)
+                hidden = stack.run(hidden, self.starts[i + 1], self.starts[i + 2], state.cache, positions)
+        assert hidden is not None and chunk_start == state.deep_len
+        return self._finish_deep(state, hidden, chunk_start, False, request, selector)
+
+    def _finish_deep(
+        self,
+        state: SequenceState,
+        hidden: torch.Tensor,
+        chunk_start: int,
+        has_current: bool,
+        request: DecodeRequest,
+        selector: TokenSelector,
+    ) -> bool:
+        """Final-layer logits of a deep chunk: check (exit) or verify (verify) the drafts, pick the next token.
+
+        `hidden` is (1, m, hidden) for positions chunk_start..chunk_start+m-1. Every position but the current one
+        (when `has_current`) predicted an exited token. Returns True when verify mode rejected a draft.
+        """
+        m = hidden.shape[1]
+        logits = self.stack.logits(hidden)[0]  # (m, vocab)
+        n_drafts = m - 1 if has_current else m
+        state.deep_passes += 1
+        state.fill_positions += m
+        state.deep_len = chunk_start + m
+        drafts = state.seq[0, chunk_start + 1 : chunk_start + 1 + n_drafts]  # (n_drafts,) exited tokens
+        if request.mode == "verify":
+            return self._verify(state, logits, chunk_start, n_drafts, has_current, request, selector)
+
+        matches = (logits[:n_drafts].argmax(dim=-1) == drafts).long()
+        if has_current:
+            row = logits[-1:]
+            token = selector.choose(state.seq[:, : chunk_start + m], row)
+            *matched, token_id = torch.cat([matches, token.reshape(1)]).tolist()  # one host sync
+            self._count_agreement(state, chunk_start, matched)
+            self._append(state, token, token_id, self.full_layer, row, request)
+        else:
+            self._count_agreement(state, chunk_start, matches.tolist())
+        state.draft_exit.clear()
+        return False
+
+    def _verify(
+        self,
+        state: SequenceState,
+        logits: torch.Tensor,
+        chunk_start: int,
+        n_drafts: int,
+        has_current: bool,
+        request: DecodeRequest,
+        selector: TokenSelector,
+    ) -> bool:
+        """Accept the longest prefix of drafts the full model agrees with; at the first mismatch, emit its token.
+
+        Greedy: a draft is accepted when it equals the deep argmax (after logits processors). Sampling: the
+        speculative-sampling rule (accept x with prob min(1, p(x)/q(x)), else resample from max(0, p - q)), so the
+        output distribution is the full model's.
+        """
+        m = logits.shape[0]
+        # (m, vocab): the scores each position's next token is chosen from (processors see the right prefix)
+        scores = torch.cat([selector.scores(state.seq[:, : chunk_start + j + 1], logits[j : j + 1]) for j in range(m)])
+        drafts = state.seq[0, chunk_start + 1 : chunk_start + 1 + n_drafts]  # (n_drafts,)
+        if not selector.params.do_sample:
+            deep_tokens = scores.argmax(dim=-1)  # (m,)
+            ok = (deep_tokens[:n_drafts] == drafts).tolist()  # one host sync for the whole chunk
+        else:
+            p = torch.softmax(scores, dim=-1)  # (m, vocab) full-model distributions
+            if n_drafts:
+                q = torch.stack([state.draft_probs[chunk_start + j] for j in range(n_drafts)])  # (n_drafts, vocab)
+                u = torch.rand(n_drafts, device=p.device, generator=selector.generator)
+                p_x = p[:n_drafts].gather(1, drafts[:, None])[:, 0]
+                q_x = q.gather(1, drafts[:, None])[:, 0]
+                ok = (u * q_x <= p_x).tolist()  # accept x with probability min(1, p(x) / q(x))
+            else:
+                ok = []
+        accepted = next((j for j, good in enumerate(ok) if not good), n_drafts)
+        self._count_agreement(state, chunk_start, ok[: accepted + 1])
+        if request.output_logits:
+            for j in range(accepted):
+                state.logits[chunk_start + j + 1 - state.prompt_len] = logits[j : j + 1].float().clone()
+
+        rejected = accepted < n_drafts
+        if rejected:
+            keep = chunk_start + accepted + 1  # positions 0..keep-1 stay; the replacement is token `keep`
+            if not selector.params.do_sample:
+                token = deep_tokens[accepted]
+            else:
+                residual = (p[accepted] - q[accepted]).clamp_min(0)  # resample from max(0, p - q), normalised
+                residual = torch.where(residual.sum() > 0, residual, p[accepted])  # p == q up to rounding
+                token = torch.multinomial(residual, 1, generator=selector.generator)
+            self._rollback(state, keep)
+            state.rejected += 1
+            self.router.end_block(state.routing)
+            row = logits[accepted : accepted + 1]
+            self._append(state, token, int(token.item()), self.full_layer, row, request)
+        elif has_current:
+            row = logits[-1:]
+            if not selector.params.do_sample:
+                token = deep_tokens[-1]
+            else:
+                token = torch.multinomial(p[-1], 1, generator=selector.generator)
+            self._append(state, token, int(token.item()), self.full_layer, row, request)
+        state.draft_exit.clear()
+        state.draft_probs.clear()
+        self._stream(state, request, self._verified_frontier(state, request))
+        return rejected
+
+    def _rollback(self, state: SequenceState, keep: int) -> None:
+        """Drop every position from `keep` on: tokens, per-token records and every layer's cache."""
+        for layer_idx in range(self.stack.num_layers):
+            _compat.crop_cache_layer(state.cache, layer_idx, keep)
+        del state.tokens[keep:]
+        new_keep = keep - state.prompt_len
+        del state.depth[new_keep:]
+        del state.logits[new_keep:]
+        state.deep_len = keep
+        state.buffers = [None] * len(self.exits)
+
+    def _count_agreement(self, state: SequenceState, first_pos: int, matches: list[bool]) -> None:
+        for offset, ok in enumerate(matches):
+            i = state.draft_exit[first_pos + offset]
+            state.checked_by_exit[i] += 1
+            state.agreed_by_exit[i] += int(ok)
+
+    # ---------------------------------------------------------------------------------------- emission, stop
+    def _append(
+        self,
+        state: SequenceState,
+        token: torch.Tensor,
+        token_id: int,
+        layer: int,
+        logits: torch.Tensor,
+        request: DecodeRequest,
+    ) -> None:
+        idx = len(state.tokens)
+        state.seq[:, idx] = token.reshape(-1)[0]
+        state.tokens.append(token_id)
+        state.depth.append(layer)
+        if request.output_logits:
+            state.logits.append(logits.detach().float().reshape(1, -1).clone())
+        if request.mode == "exit":
+            self._stream(state, request, len(state.tokens))
+
+    def _verified_frontier(self, state: SequenceState, request: DecodeRequest) -> int:
+        """How many tokens are final: all in exit mode; up to the last deep prediction in verify mode."""
+        return len(state.tokens) if request.mode == "exit" else state.deep_len + 1
+
+    def _stream(self, state: SequenceState, request: DecodeRequest, upto: int) -> None:
+        if request.streamer is None:
+            return
+        start = max(state.prompt_len, state.streamed)
+        upto = min(upto, len(state.tokens))
+        if upto > start:
+            request.streamer.put(torch.tensor(state.tokens[start:upto]))
+        state.streamed = max(state.streamed, upto)
+
+    def _should_stop(self, state: SequenceState, request: DecodeRequest) -> bool:
+        if state.new_tokens >= request.max_new_tokens:
+            return True
+        if state.tokens[-1] in request.eos_token_ids:
+            return True
+        if request.stop_strings:
+            tail = request.tokenizer.decode(state.tokens[max(state.prompt_len, len(state.tokens) - 32) :])
+            if any(s in tail for s in request.stop_strings):
+                return True
+        if request.stopping_criteria is not None:
+            scores = state.logits[-1] if state.logits else None
+            done = request.stopping_criteria(state.seq[:, : len(state.tokens)], scores)
+            if bool(torch.as_tensor(done).any()):
+                return True
+        return False
+
+    # ------------------------------------------------------------------------------------------------- stats
+    def _stats(self, state: SequenceState, request: DecodeRequest, wall: float, prefill_s: float) -> GenerationStats:
+        histogram: dict[int, int] = {}
+        for layer in state.depth:
+            histogram[layer] = histogram.get(layer, 0) + 1
+        new = state.new_tokens
+        exited = sum(c for layer, c in histogram.items() if layer != self.full_layer)
+        checked = sum(state.checked_by_exit)
+        decode_s = wall - prefill_s
+        return GenerationStats(
+            new_tokens=new,
+            exit_histogram=dict(sorted(histogram.items())),
+            hit_rate=exited / new if new else 0.0,
+            agreement=sum(state.agreed_by_exit) / checked if checked else None,
+            agreement_by_layer={
+                self.exits[i]: state.agreed_by_exit[i] / c for i, c in enumerate(state.checked_by_exit) if c
+            },
+            exited_checked=checked,
+            deep_passes=state.deep_passes,
+            mean_fill_chunk=state.fill_positions / state.deep_passes if state.deep_passes else 0.0,
+            forced_deep=state.forced,
+            rejected_drafts=state.rejected,
+            wall_time_s=wall,
+            prefill_s=prefill_s,
+            tokens_per_s=new / wall if wall > 0 else 0.0,
+            decode_tokens_per_s=(new - 1) / decode_s if decode_s > 0 and new > 1 else 0.0,
+            routing_overhead=state.routing_s / wall if wall > 0 else 0.0,
+            routing_s=state.routing_s,
+            mode=request.mode,
+            num_layers=self.stack.num_layers,
+        )

@@ -1,0 +1,101 @@
+"""Exit heads: a small residual adapter per exit layer, in front of the model's own final norm and LM head.
+
+Adapters are zero-initialised residual maps, so an untrained head is exactly the logit lens
+(`lm_head(final_norm(h_e))`). Only the adapters (and optional learned gates) are parameters of their own: the final
+norm and LM head are the base model's, shared and never copied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class IdentityAdapter(nn.Module):
+    """No parameters: the logit lens."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+class LinearAdapter(nn.Module):
+    """`h + W h + b`, zero-initialised (tuned-lens style translator)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.proj(hidden)
+
+
+class LowRankAdapter(nn.Module):
+    """`h + B A h + b` with rank r; `B` and `b` start at zero so the untrained head is the logit lens."""
+
+    def __init__(self, hidden_size: int, rank: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(hidden_size, rank, bias=False)
+        self.up = nn.Linear(rank, hidden_size, bias=True)
+        nn.init.normal_(self.down.weight, std=hidden_size**-0.5)
+        nn.init.zeros_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.up(self.down(hidden))
+
+
+class LearnedGate(nn.Module):
+    """A logistic gate on the exit's hidden state: P(this exit's top-1 equals the final top-1).
+
+    It runs before the head, so a confident "no" skips the full-vocabulary projection. The hidden state is RMS
+    normalised first, so the gate is insensitive to the residual stream's growing scale with depth.
+    """
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (...) probabilities."""
+        h = hidden.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return torch.sigmoid(self.linear(h.to(self.linear.weight.dtype)).float()).squeeze(-1)
+
+
+def make_adapter(kind: str, hidden_size: int, rank: int) -> nn.Module:
+    if kind == "identity":
+        return IdentityAdapter()
+    if kind == "linear":
+        return LinearAdapter(hidden_size)
+    if kind == "lowrank":
+        return LowRankAdapter(hidden_size, rank)
+    raise ValueError(f"Unknown adapter kind {kind!r}")
+
+
+class ExitHeads(nn.Module):
+    """The adapters (and optional gates) of every exit layer, keyed by the layer index as a string."""
+
+    def __init__(self, exit_layers: list[int], hidden_size: int, adapter: str, rank: int) -> None:
+        super().__init__()
+        self.exit_layers = list(exit_layers)
+        self.adapters = nn.ModuleDict({str(e): make_adapter(adapter, hidden_size, rank) for e in exit_layers})
+        self.gates = nn.ModuleDict()
+
+    def adapter(self, layer: int) -> nn.Module:
+        return self.adapters[str(layer)]
+
+    def gate(self, layer: int) -> nn.Module | None:
+        key = str(layer)
+        return self.gates[key] if key in self.gates else None
+
+    def add_gates(self, hidden_size: int) -> None:
+        """Give every exit a (zero-initialised) learned gate; training fills them."""
+        for e in self.exit_layers:
+            self.gates[str(e)] = LearnedGate(hidden_size)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

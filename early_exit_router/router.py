@@ -1,0 +1,469 @@
+"""`EarlyExitRouter`: the public object that wraps one HF causal LM, its exit heads and its router."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import __version__, _compat
+from .architecture import LayerStack, spec_for
+from .checkpoint import BaseModelIdentity, head_fingerprint, head_hash, is_router_dir, load_router, save_router
+from .config import MODES, RouterConfig
+from .engine import DecodeRequest, Engine
+from .heads import ExitHeads
+from .models import load_base_model, resolve_alias, shipped_checkpoint
+from .routing import Router
+from .sampling import SamplingParams, TokenSelector
+from .stats import GenerationStats
+
+HEADS_ATTR = "early_exit_heads"  # the submodule the patch registers on the model
+ROUTER_ATTR = "_early_exit_router"  # back-reference, to refuse patching one model twice
+
+
+@dataclass
+class GenerationOutput:
+    """What `EarlyExitRouter.generate` returns."""
+
+    sequences: torch.LongTensor  # (1, prompt + new), like HF generate
+    stats: GenerationStats
+    logits: tuple[torch.Tensor, ...] | None = None  # per new token, (1, vocab) raw logits it was chosen from
+    cache: Any = None  # the KV cache: every layer holds sequences[:, :-1], as a full forward pass would
+
+
+class EarlyExitRouter:
+    """Early-exit generation for one HF causal LM, patched in place.
+
+    Build it with `from_pretrained` (alias, HF folder, GGUF file or saved router folder) or `from_model` (an
+    already loaded model). The patch registers the exit heads as the submodule `early_exit_heads` of the model,
+    so `model.to(...)` moves them too; `unpatch()` removes it and returns the untouched model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        config: RouterConfig,
+        heads: ExitHeads,
+        stack: LayerStack,
+        name_or_path: str,
+    ) -> None:
+        # Use from_model / from_pretrained: they validate and patch.
+        self._model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.heads = heads
+        self._stack = stack
+        self.name_or_path = name_or_path
+        self._state = "new"  # -> "patched"; "disabled" inside disabled(); "unpatched" for good
+        self._warned_untrained = False
+
+    # -------------------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        tokenizer: Any = None,
+        config: RouterConfig | None = None,
+        *,
+        name_or_path: str | None = None,
+        **overrides: Any,
+    ) -> EarlyExitRouter:
+        """Attach fresh (untrained) exit heads to `model` in place; no weight is copied.
+
+        `overrides` replace fields of `config` (e.g. `exit_layers=[10, 20]`). Everything is validated before the
+        model is touched, so an error leaves it exactly as it was.
+        """
+        _compat.check_supported()
+        config = (config or RouterConfig()).replace(**overrides) if overrides else (config or RouterConfig())
+        if getattr(model, ROUTER_ATTR, None) is not None or hasattr(model, HEADS_ATTR):
+            raise ValueError(
+                "This model is already patched by an EarlyExitRouter: reuse that router, or call its unpatch() first."
+            )
+        spec = spec_for(model)
+        stack = LayerStack(model, spec)
+        exit_layers = config.resolved_exit_layers(stack.num_layers)
+        if config.exit_layers is None:
+            config = config.replace(exit_layers=exit_layers)
+        heads = ExitHeads(exit_layers, stack.hidden_size, config.adapter, config.adapter_rank)
+        heads.to(device=stack.device, dtype=stack.dtype).eval()
+        name = name_or_path or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        router = cls(model, tokenizer, config, heads, stack, name)
+        router._patch()
+        return router
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path,
+        config: RouterConfig | None = None,
+        *,
+        dtype: torch.dtype | str | None = None,
+        device: str | torch.device | None = None,
+        **overrides: Any,
+    ) -> EarlyExitRouter:
+        """Load a base model and its exit heads.
+
+        `name_or_path` is an alias (`smollm2-135m`, which uses its shipped trained heads when present), a local HF
+        model folder, a `.gguf` file, or a folder written by `save_pretrained`. `config` replaces the saved
+        config; `overrides` change single fields (thresholds, mode, ...). Changing `exit_layers` or the adapter
+        of saved heads is refused, since those heads would not exist.
+        """
+        dtype = _parse_dtype(dtype)
+        source = str(name_or_path)
+        router_dir: Path | None = None
+        if is_router_dir(source):
+            router_dir = Path(source)
+        else:
+            alias = resolve_alias(source)
+            if alias is not None:
+                router_dir = shipped_checkpoint(alias)
+        if router_dir is None:
+            model, tokenizer, name = load_base_model(source, dtype, device)
+            return cls.from_model(model, tokenizer, config, name_or_path=name, **overrides)
+
+        saved = load_router(router_dir)
+        base = saved.identity.name_or_path if is_router_dir(source) else source
+        model, tokenizer, name = load_base_model(base, dtype, device)
+        return cls._from_saved(model, tokenizer, saved, config, name, **overrides)
+
+    @classmethod
+    def _from_saved(
+        cls, model: nn.Module, tokenizer: Any, saved: Any, config: RouterConfig | None, name: str, **overrides: Any
+    ) -> EarlyExitRouter:
+        base_config = config or saved.config
+        fixed = {"exit_layers": saved.exit_layers, "adapter": saved.config.adapter}
+        fixed["adapter_rank"] = saved.config.adapter_rank
+        for key, value in fixed.items():
+            if overrides.get(key, value) != value or getattr(base_config, key) != value:
+                raise ValueError(
+                    f"The saved heads have {key}={value!r}; they cannot be loaded with another {key}. "
+                    "Train new heads for a different layout."
+                )
+        config = base_config.replace(**overrides) if overrides else base_config
+        spec = spec_for(model)
+        stack = LayerStack(model, spec)
+        saved.identity.check_matches(_identity(stack, name))
+        heads = ExitHeads(saved.exit_layers, stack.hidden_size, config.adapter, config.adapter_rank)
+        if saved.has_gates:
+            heads.add_gates(stack.hidden_size)
+        missing, unexpected = heads.load_state_dict(saved.tensors, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"Saved heads do not fit their config: missing {missing}, unexpected {unexpected}.")
+        heads.to(device=stack.device, dtype=stack.dtype).eval()
+        router = cls(model, tokenizer, config, heads, stack, name)
+        router._patch()
+        return router
+
+    # ------------------------------------------------------------------------------------------------ patching
+    def _patch(self) -> None:
+        model = self._model
+        try:
+            model.add_module(HEADS_ATTR, self.heads)
+            model.__dict__[ROUTER_ATTR] = self
+        except BaseException:
+            self._detach()
+            raise
+        self._state = "patched"
+
+    def _detach(self) -> None:
+        model = self._model
+        if HEADS_ATTR in model._modules:
+            del model._modules[HEADS_ATTR]
+        model.__dict__.pop(ROUTER_ATTR, None)
+
+    def unpatch(self) -> nn.Module:
+        """Remove everything the patch added and return the original model object. The router is unusable after."""
+        self._require_patched()
+        self._detach()
+        self._state = "unpatched"
+        return self._model
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[nn.Module]:
+        """Inside, the model is exactly the plain model and `generate` runs plain HF generation."""
+        self._require_patched()
+        self._detach()
+        self._state = "disabled"
+        try:
+            yield self._model
+        finally:
+            self._patch()
+
+    def _require_patched(self) -> None:
+        if self._state == "unpatched":
+            raise RuntimeError("This router was unpatched: build a new one with EarlyExitRouter.from_model(model).")
+        if self._state == "disabled":
+            raise RuntimeError("The router is inside disabled(): leave that block first.")
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._state == "patched"
+
+    # -------------------------------------------------------------------------------------------------- heads
+    @property
+    def exit_layers(self) -> list[int]:
+        return list(self.heads.exit_layers)
+
+    def num_added_parameters(self) -> int:
+        """Parameters the exit heads add (adapters and gates; the shared norm and LM head are not counted)."""
+        return self.heads.num_parameters()
+
+    def added_parameter_share(self) -> float:
+        """Added parameters as a share of the base model's (tied embeddings counted once)."""
+        base = {id(p): p.numel() for n, p in self._model.named_parameters() if not n.startswith(HEADS_ATTR + ".")}
+        return self.num_added_parameters() / max(1, sum(base.values()))
+
+    def set_gate(self, layer: int, gate: nn.Module | None) -> None:
+        """Install (or remove, with None) a learned gate before exit `layer`: hidden (1, H) -> probability (1,)."""
+        if layer not in self.heads.exit_layers:
+            raise ValueError(f"Layer {layer} has no exit head; exit layers are {self.heads.exit_layers}.")
+        key = str(layer)
+        if gate is None:
+            self.heads.gates.pop(key, None)
+        else:
+            self.heads.gates[key] = gate.to(device=self._stack.device)
+
+    def describe(self) -> str:
+        """One line about the heads: exit layers, adapter and their size."""
+        trained = "trained" if self.config.heads_trained else "UNTRAINED (logit lens)"
+        return (
+            f"{self.name_or_path}: {self._stack.num_layers} layers, exits at {self.exit_layers} "
+            f"({self.config.adapter} adapters, {trained}); added parameters {self.num_added_parameters():,} "
+            f"({self.added_parameter_share():.2%} of the base model)"
+        )
+
+    # ------------------------------------------------------------------------------------------------ generate
+    def encode(self, prompt: str, chat: bool = False) -> torch.LongTensor:
+        """Token ids (1, n) for a text prompt; `chat=True` applies the tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("No tokenizer is attached: pass input_ids, or build the router with a tokenizer.")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("The tokenizer has no chat template: use chat=False.")
+            encoded = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+            )
+            ids = encoded if torch.is_tensor(encoded) else encoded["input_ids"]
+        else:
+            ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        return ids.to(self._stack.device)
+
+    def generate(
+        self,
+        input_ids: torch.Tensor | str,
+        max_new_tokens: int = 128,
+        mode: str | None = None,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        stop_strings: str | list[str] | None = None,
+        stopping_criteria: Any = None,
+        logits_processor: Any = None,
+        streamer: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        output_logits: bool = False,
+    ) -> GenerationOutput:
+        """Generate with early exit. Arguments follow HF `generate`; `mode` is 'exit' or 'verify'.
+
+        `input_ids` is a LongTensor (1, n), or a string when a tokenizer is attached. `eos_token_id` defaults to
+        the model's generation config. `seed` makes sampling reproducible. Inside `disabled()`, this runs plain
+        HF generation (same arguments) and reports every token at full depth.
+        """
+        if self._state == "unpatched":
+            raise RuntimeError("This router was unpatched: build a new one with EarlyExitRouter.from_model(model).")
+        mode = mode or self.config.mode
+        if mode not in MODES:
+            raise ValueError(f"Unknown mode {mode!r}: use one of {', '.join(MODES)}.")
+        if isinstance(input_ids, str):
+            input_ids = self.encode(input_ids)
+        input_ids = self._check_input_ids(input_ids, attention_mask)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+        params = SamplingParams(do_sample, temperature, top_k, top_p, seed)
+        stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings or ())
+        if stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: build the router with one.")
+        eos = self._eos_ids(eos_token_id)
+        if self._state == "disabled":
+            return self._plain_generate(
+                input_ids,
+                max_new_tokens,
+                params,
+                eos,
+                stop_strings,
+                stopping_criteria,
+                logits_processor,
+                streamer,
+                output_logits,
+            )
+        self._warn_if_untrained(mode)
+        request = DecodeRequest(
+            mode=mode,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=frozenset(eos),
+            stop_strings=stop_strings,
+            stopping_criteria=stopping_criteria,
+            streamer=streamer,
+            tokenizer=self.tokenizer,
+            output_logits=output_logits,
+        )
+        selector = TokenSelector(params, self._stack.device, logits_processor)
+        engine = Engine(self._stack, self.heads, Router(self.config, self._stack.vocab_size), self.config)
+        sequences, stats, logits, cache = engine.generate(input_ids, request, selector)
+        return GenerationOutput(
+            sequences=sequences, stats=stats, logits=tuple(logits) if output_logits else None, cache=cache
+        )
+
+    def _check_input_ids(self, input_ids: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if not torch.is_tensor(input_ids):
+            raise TypeError(f"input_ids must be a LongTensor of shape (1, n) or a string, got {type(input_ids)}.")
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must be 2-D (batch, length), got shape {tuple(input_ids.shape)}; "
+                "for one sequence use input_ids.unsqueeze(0)."
+            )
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"Batch size {input_ids.shape[0]} is not supported yet: pass one sequence of shape (1, n), "
+                "and loop over your prompts."
+            )
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: give at least one prompt token (e.g. the BOS token).")
+        if input_ids.dtype not in (torch.long, torch.int, torch.int32, torch.int64):
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
+        vocab = self._stack.vocab_size
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"input_ids hold ids outside the vocabulary [0, {vocab}): min {low}, max {high}.")
+        if attention_mask is not None and not bool((attention_mask != 0).all()):
+            raise ValueError("Padding is not supported (batch size 1 needs none): drop the padded positions.")
+        return input_ids.to(device=self._stack.device, dtype=torch.long)
+
+    def _eos_ids(self, eos_token_id: int | list[int] | None) -> list[int]:
+        if eos_token_id is None:
+            gen_config = getattr(self._model, "generation_config", None)
+            eos_token_id = getattr(gen_config, "eos_token_id", None)
+            if eos_token_id is None and self.tokenizer is not None:
+                eos_token_id = self.tokenizer.eos_token_id
+        if eos_token_id is None:
+            return []
+        return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+
+    def _warn_if_untrained(self, mode: str) -> None:
+        if mode == "exit" and not self.config.heads_trained and not self._warned_untrained:
+            self._warned_untrained = True
+            warnings.warn(
+                "Exit mode with UNTRAINED exit heads (the logit lens): shallow layers of off-the-shelf models are "
+                "confidently wrong, so exited tokens often differ from the full model's. Load trained heads, or "
+                "use mode='verify' for output identical to the full model.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _plain_generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos: list[int],
+        stop_strings: tuple[str, ...],
+        stopping_criteria: Any,
+        logits_processor: Any,
+        streamer: Any,
+        output_logits: bool,
+    ) -> GenerationOutput:
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens,
+            do_sample=params.do_sample,
+            eos_token_id=eos or None,
+            streamer=streamer,
+            return_dict_in_generate=True,
+            output_logits=output_logits,
+            attention_mask=torch.ones_like(input_ids),
+        )
+        if params.do_sample:
+            kwargs.update(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p or 1.0)
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+        if stop_strings:
+            kwargs.update(stop_strings=list(stop_strings), tokenizer=self.tokenizer)
+        if stopping_criteria is not None:
+            kwargs["stopping_criteria"] = stopping_criteria
+        if logits_processor is not None:
+            kwargs["logits_processor"] = logits_processor
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self._model.generate(input_ids, **kwargs)
+        wall = time.perf_counter() - start
+        new = out.sequences.shape[1] - input_ids.shape[1]
+        full = self._stack.num_layers - 1
+        stats = GenerationStats(
+            new_tokens=new,
+            exit_histogram={full: new},
+            deep_passes=max(0, new - 1),
+            mean_fill_chunk=1.0 if new > 1 else 0.0,
+            wall_time_s=wall,
+            tokens_per_s=new / wall if wall > 0 else 0.0,
+            mode="plain",
+            num_layers=self._stack.num_layers,
+        )
+        logits = tuple(out.logits) if output_logits and out.logits is not None else None
+        return GenerationOutput(sequences=out.sequences, stats=stats, logits=logits, cache=out.cache)
+
+    # ----------------------------------------------------------------------------------------------- save/load
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write `early_exit_config.json` and `early_exit_heads.safetensors` (heads only, never base weights)."""
+        save_router(
+            path,
+            self.config,
+            self.heads.state_dict(),
+            self.exit_layers,
+            has_gates=len(self.heads.gates) > 0,
+            identity=_identity(self._stack, self.name_or_path),
+            library_version=__version__,
+        )
+
+
+def _identity(stack: LayerStack, name: str) -> BaseModelIdentity:
+    tensors = stack.shared_head_tensors()
+    return BaseModelIdentity(
+        name_or_path=name,
+        model_type=str(stack.config.model_type),
+        num_hidden_layers=stack.num_layers,
+        hidden_size=stack.hidden_size,
+        vocab_size=stack.vocab_size,
+        head_hash=head_hash(tensors),
+        head_fingerprint=head_fingerprint(tensors),
+    )
+
+
+def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in names:
+        raise ValueError(f"Unknown dtype {dtype!r}: use one of {', '.join(names)}.")
+    return names[dtype]

@@ -1,0 +1,95 @@
+"""The router: decides, per token or per block, whether a token leaves at an exit or goes deeper.
+
+The cascade at one exit (all thresholds from `RouterConfig`):
+
+1. Learned gate (optional, runs before the head): if P(agree) < `gate_threshold`, go deeper without computing
+   the full-vocabulary head at all.
+2. Confidence `c = max softmax(logits)`: exit if `c >= high_conf_threshold`; go deeper if `c < low_conf_threshold`.
+3. Between the two, entropy `H` (in nats, or `H / log(vocab)` when normalised): exit if `H <= entropy_threshold`.
+
+Window rules, checked before the cascade: at most `max_pending` exited tokens may wait for the deep layers, and an
+optional window of recent exit confidences whose mean falls below `window_min_confidence` forces a deep pass.
+
+Learned-gate hook: a gate is any module mapping the exit's hidden state `(1, hidden)` to a probability `(1,)`;
+`ExitHeads.gates` holds trained `LearnedGate`s, and `EarlyExitRouter.set_gate(layer, module)` installs a custom one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import RouterConfig
+
+FULL_DEPTH = -1  # block target meaning "the full model"
+
+
+@dataclass
+class RoutingState:
+    """Per-sequence routing memory: recent exit confidences and the current block's decision."""
+
+    recent_confidences: deque = field(default_factory=deque)
+    block_remaining: int = 0
+    block_target: int = FULL_DEPTH  # exit index chosen by the block's first token, or FULL_DEPTH
+
+
+class Router:
+    """Routing decisions for one model; stateless apart from `RoutingState`, which is per sequence."""
+
+    def __init__(self, config: RouterConfig, vocab_size: int) -> None:
+        self.config = config
+        self.log_vocab = math.log(vocab_size)
+
+    def new_state(self) -> RoutingState:
+        return RoutingState(recent_confidences=deque(maxlen=max(1, self.config.confidence_window)))
+
+    def forced_deep(self, state: RoutingState, pending: int) -> bool:
+        """Window rule: True when the next token must run the full depth."""
+        cfg = self.config
+        if pending >= cfg.max_pending:
+            return True
+        if cfg.confidence_window and len(state.recent_confidences) == cfg.confidence_window:
+            mean = sum(state.recent_confidences) / cfg.confidence_window
+            if mean < cfg.window_min_confidence:
+                state.recent_confidences.clear()
+                return True
+        return False
+
+    def block_target(self, state: RoutingState) -> int | None:
+        """The exit index (or FULL_DEPTH) this token must follow inside a block, or None to run the cascade."""
+        if state.block_remaining > 0:
+            state.block_remaining -= 1
+            return state.block_target
+        return None
+
+    def start_block(self, state: RoutingState, target: int) -> None:
+        state.block_remaining = self.config.block_size - 1
+        state.block_target = target
+
+    def end_block(self, state: RoutingState) -> None:
+        state.block_remaining = 0
+
+    def gate_allows(self, gate_prob: torch.Tensor) -> torch.Tensor:
+        """(1,) probability -> bool scalar tensor (on device, no sync)."""
+        return gate_prob.reshape(()) >= self.config.gate_threshold
+
+    def head_signal(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(vocab,) head logits -> (exit flag, confidence), both 0-d tensors on the logits' device (no sync)."""
+        cfg = self.config
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        probs = log_probs.exp()
+        confidence = probs.max()
+        entropy = -(probs * log_probs).sum()
+        if cfg.entropy_normalized:
+            entropy = entropy / self.log_vocab
+        exit_flag = (confidence >= cfg.high_conf_threshold) | (
+            (confidence >= cfg.low_conf_threshold) & (entropy <= cfg.entropy_threshold)
+        )
+        return exit_flag, confidence
+
+    def record_exit(self, state: RoutingState, confidence: float) -> None:
+        if self.config.confidence_window:
+            state.recent_confidences.append(confidence)

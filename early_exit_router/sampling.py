@@ -1,0 +1,69 @@
+"""Token selection from logits: greedy, or sampling with temperature / top-k / top-p, as HF generate does it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding parameters; the names and meanings are HF generate's."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}; use do_sample=False for greedy.")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}.")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+
+
+class TokenSelector:
+    """Chooses the next token from one row of logits: user processors, then (when sampling) the warpers."""
+
+    def __init__(
+        self, params: SamplingParams, device: torch.device, logits_processor: LogitsProcessorList | None = None
+    ) -> None:
+        self.params = params
+        self.processors = LogitsProcessorList(logits_processor or [])
+        self.warpers = LogitsProcessorList()
+        if params.do_sample:
+            if params.temperature != 1.0:
+                self.warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k:
+                self.warpers.append(TopKLogitsWarper(params.top_k))
+            if params.top_p is not None and params.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(params.top_p))
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+
+    def scores(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """(1, vocab) raw logits -> (1, vocab) scores the token is chosen from."""
+        scores = self.processors(input_ids, logits.float())
+        if self.params.do_sample:
+            scores = self.warpers(input_ids, scores)
+        return scores
+
+    def choose(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """(1, vocab) raw logits -> (1,) token id, on the logits' device (no host sync)."""
+        scores = self.scores(input_ids, logits)
+        if not self.params.do_sample:
+            return scores.argmax(dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(-1)

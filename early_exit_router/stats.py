@@ -1,0 +1,59 @@
+"""`GenerationStats`: what one `generate` call measured."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Measured routing statistics of one generation.
+
+    Exit layers are 0-based layer indices; the full depth appears as the last layer's index.
+    """
+
+    new_tokens: int = 0
+    exit_histogram: dict[int, int] = field(default_factory=dict)  # layer -> tokens emitted there
+    hit_rate: float = 0.0  # share of new tokens emitted from a shallow exit
+    agreement: float | None = None  # share of exited tokens whose deep prediction is the same token (None: none)
+    agreement_by_layer: dict[int, float] = field(default_factory=dict)
+    exited_checked: int = 0  # exited tokens the deep layers have seen (the denominator of `agreement`)
+    deep_passes: int = 0  # decode-time passes through the last layer (the prompt's prefill excluded)
+    mean_fill_chunk: float = 0.0  # mean positions per deep pass (1 = no exited token waited)
+    forced_deep: int = 0  # deep passes forced by the window rules
+    rejected_drafts: int = 0  # verify mode: exited tokens the deep pass replaced
+    wall_time_s: float = 0.0
+    prefill_s: float = 0.0
+    tokens_per_s: float = 0.0  # new_tokens / wall_time_s
+    decode_tokens_per_s: float = 0.0  # new tokens after the first / (wall_time_s - prefill_s)
+    routing_overhead: float = 0.0  # share of wall time spent in routing decisions (gates, signals, their sync)
+    routing_s: float = 0.0
+    mode: str = "exit"
+    num_layers: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        hist = ", ".join(
+            f"{'full' if layer == self.num_layers - 1 else f'L{layer}'}: {count}"
+            for layer, count in sorted(self.exit_histogram.items())
+        )
+        agreement = "n/a (nothing exited)" if self.agreement is None else f"{self.agreement:.3f}"
+        return "\n".join(
+            [
+                f"mode {self.mode}: {self.new_tokens} new tokens in {self.wall_time_s:.2f} s "
+                f"({self.tokens_per_s:.1f} tok/s; decode {self.decode_tokens_per_s:.1f} tok/s; "
+                f"prefill {self.prefill_s * 1000:.0f} ms)",
+                f"exit histogram: {hist}",
+                f"hit rate {self.hit_rate:.3f}; agreement {agreement} over {self.exited_checked} exited tokens"
+                + (f"; rejected drafts {self.rejected_drafts}" if self.mode == "verify" else ""),
+                f"deep passes {self.deep_passes} (mean fill chunk {self.mean_fill_chunk:.2f}, "
+                f"forced {self.forced_deep}); routing overhead {self.routing_overhead:.1%}",
+            ]
+        )

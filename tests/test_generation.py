@@ -1,0 +1,244 @@
+"""Generation against the base model: identity where promised, independent references elsewhere."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from early_exit_router import EarlyExitRouter
+
+from .conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, assert_cache_matches_full_forward, prompt, tiny_llama
+
+
+def hf_greedy(model, ids, n, **kwargs):
+    return model.generate(
+        ids, max_new_tokens=n, do_sample=False, return_dict_in_generate=True, output_logits=True, **kwargs
+    )
+
+
+@pytest.mark.parametrize("mode", ["exit", "verify"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_never_exit_is_token_identical_to_generate_with_the_same_logits(seed, mode):
+    model = tiny_llama(seed)
+    ids = prompt(seed)
+    ref = hf_greedy(model, ids, 24)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **NEVER_EXIT)
+    out = router.generate(ids, max_new_tokens=24, mode=mode, output_logits=True)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.logits) == len(ref.logits)
+    for mine, theirs in zip(out.logits, ref.logits):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    assert out.stats.hit_rate == 0.0
+    assert out.stats.exit_histogram == {5: 24}
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def logit_lens_reference(model, ids, exit_layer, n):
+    """Greedy decoding where every token after the first is lm_head(norm(output of layer `exit_layer`)).
+
+    Computed with full forward passes (no cache) from the model's own modules; the first token comes from the
+    full model because the prompt's prefill runs every layer.
+    """
+    seq = ids.clone()
+    with torch.no_grad():
+        for step in range(n):
+            out = model(seq, output_hidden_states=True)
+            if step == 0:
+                logits = out.logits[:, -1]
+            else:
+                hidden = out.hidden_states[exit_layer + 1][:, -1]
+                logits = model.lm_head(model.model.norm(hidden))
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+    return seq
+
+
+@pytest.mark.parametrize("exit_layer", [0, 2, 4])
+def test_always_exit_equals_the_logit_lens_computed_independently(exit_layer):
+    model = tiny_llama(3).double()  # float64: no near-tie can flip an argmax between the two computations
+    ids = prompt(3)
+    n = 16
+    router = EarlyExitRouter.from_model(model, exit_layers=[exit_layer], max_pending=n + 1, **ALWAYS_EXIT)
+    out = router.generate(ids, max_new_tokens=n)
+    assert torch.equal(out.sequences, logit_lens_reference(model, ids, exit_layer, n))
+    assert out.stats.exit_histogram == {exit_layer: n - 1, 5: 1}
+    assert out.stats.deep_passes == 1  # only the fill before returning
+    assert out.stats.mean_fill_chunk == n - 1
+    assert_cache_matches_full_forward(model, out.sequences, out.cache, atol=1e-10)
+
+
+def random_thresholds(rng: random.Random) -> dict:
+    high = rng.uniform(0.04, 0.1)
+    return dict(
+        high_conf_threshold=high,
+        low_conf_threshold=rng.random() * high,
+        entropy_threshold=rng.uniform(0.9, 1.0),
+        max_pending=rng.randint(1, 6),
+        block_size=rng.randint(1, 3),
+    )
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_cache_matches_a_full_forward_pass_after_mixed_exits(trial):
+    rng = random.Random(trial)
+    model = tiny_llama(trial)
+    router = EarlyExitRouter.from_model(model, exit_layers=[0, 2, 4], **random_thresholds(rng))
+    ids = prompt(trial, length=rng.randint(1, 9))
+    out = router.generate(ids, max_new_tokens=rng.randint(5, 30))
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+    stats = out.stats
+    assert sum(stats.exit_histogram.values()) == stats.new_tokens == out.sequences.shape[1] - ids.shape[1]
+    assert stats.exited_checked == stats.new_tokens - stats.exit_histogram.get(5, 0)
+
+
+def test_mixed_exits_really_mix_depths():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    out = router.generate(prompt(0), max_new_tokens=40)
+    assert len(out.stats.exit_histogram) >= 2, out.stats.exit_histogram
+    assert 0 < out.stats.hit_rate < 1
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+@pytest.mark.parametrize("trial", range(8))
+def test_verify_mode_is_greedy_identical_for_any_thresholds(trial):
+    rng = random.Random(100 + trial)
+    model = tiny_llama(trial % 3)
+    ids = prompt(trial, length=rng.randint(1, 8))
+    n = rng.randint(1, 30)
+    ref = model.generate(ids, max_new_tokens=n, do_sample=False)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **random_thresholds(rng))
+    out = router.generate(ids, max_new_tokens=n, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_max_pending_bounds_the_waiting_tokens():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[2], max_pending=3, **ALWAYS_EXIT)
+    out = router.generate(prompt(0), max_new_tokens=20)
+    # Every 4th token is forced through the full depth, carrying the 3 waiting ones.
+    assert out.stats.forced_deep > 0
+    assert out.stats.mean_fill_chunk <= 4
+    assert out.stats.exit_histogram[5] == out.stats.forced_deep + 1
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_low_confidence_window_forces_deep_passes():
+    model = tiny_llama(0)
+    kwargs = dict(exit_layers=[2], max_pending=50, **ALWAYS_EXIT)
+    free = EarlyExitRouter.from_model(model, **kwargs).generate(prompt(0), max_new_tokens=20)
+    model = tiny_llama(0)
+    windowed = EarlyExitRouter.from_model(model, confidence_window=2, window_min_confidence=1.0, **kwargs)
+    out = windowed.generate(prompt(0), max_new_tokens=20)
+    assert free.stats.forced_deep == 0
+    assert out.stats.forced_deep > 0
+    assert out.stats.hit_rate < free.stats.hit_rate
+
+
+def test_block_decisions_follow_the_block_first_token():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[2], block_size=4, max_pending=100, **ALWAYS_EXIT)
+    out = router.generate(prompt(0), max_new_tokens=13)
+    assert out.stats.exit_histogram == {2: 12, 5: 1}
+    # With never-exit thresholds, a whole block follows its first token to the full depth.
+    router.config = router.config.replace(**NEVER_EXIT)
+    out = router.generate(prompt(0), max_new_tokens=13)
+    assert out.stats.exit_histogram == {5: 13}
+
+
+def test_sampling_with_a_seed_is_reproducible():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    kwargs = dict(max_new_tokens=30, do_sample=True, temperature=0.9, top_k=20, top_p=0.95)
+    for mode in ("exit", "verify"):
+        a = router.generate(prompt(0), seed=7, mode=mode, **kwargs).sequences
+        b = router.generate(prompt(0), seed=7, mode=mode, **kwargs).sequences
+        c = router.generate(prompt(0), seed=8, mode=mode, **kwargs).sequences
+        assert torch.equal(a, b)
+        assert not torch.equal(a, c)
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("mode", ["exit", "verify"])
+def test_streamer_receives_the_prompt_then_exactly_the_final_tokens(mode):
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    ids = prompt(0)
+    streamer = Collect()
+    out = router.generate(ids, max_new_tokens=25, mode=mode, streamer=streamer)
+    assert streamer.ended
+    assert streamer.chunks[0] == ids[0].tolist()
+    streamed = [t for chunk in streamer.chunks[1:] for t in chunk]
+    assert streamed == out.sequences[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("mode", ["exit", "verify"])
+def test_eos_stops_generation_like_hf(mode):
+    model = tiny_llama(0)
+    ids = prompt(0)
+    full = model.generate(ids, max_new_tokens=20, do_sample=False)
+    eos = int(full[0, ids.shape[1] + 5])
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **NEVER_EXIT)
+    out = router.generate(ids, max_new_tokens=20, eos_token_id=eos, mode=mode)
+    assert torch.equal(out.sequences, ref)
+    assert out.sequences[0, -1] == eos
+
+
+def test_stopping_criteria_and_logits_processors_are_applied():
+    from transformers import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+    from transformers.generation.logits_process import SuppressTokensLogitsProcessor
+
+    model = tiny_llama(0)
+    ids = prompt(0)
+    suppress = LogitsProcessorList([SuppressTokensLogitsProcessor(list(range(40)))])
+    stop = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 7)])
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    for mode in ("exit", "verify"):
+        out = router.generate(ids, max_new_tokens=30, mode=mode, logits_processor=suppress, stopping_criteria=stop)
+        new = out.sequences[0, ids.shape[1] :]
+        assert len(new) == 7
+        assert int(new.min()) >= 40
+    ref = model.generate(ids, max_new_tokens=30, do_sample=False, logits_processor=suppress, stopping_criteria=stop)
+    out = router.generate(ids, max_new_tokens=30, mode="verify", logits_processor=suppress, stopping_criteria=stop)
+    assert torch.equal(out.sequences, ref)
+
+
+def test_statistics_are_consistent():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    s = router.generate(prompt(0), max_new_tokens=30).stats
+    exited = s.new_tokens - s.exit_histogram.get(5, 0)
+    assert s.hit_rate == pytest.approx(exited / s.new_tokens)
+    assert s.exited_checked == exited
+    assert s.agreement is None or 0 <= s.agreement <= 1
+    assert set(s.agreement_by_layer) <= {1, 3}
+    assert s.wall_time_s > 0 and s.prefill_s > 0 and s.tokens_per_s > 0
+    assert 0 < s.routing_overhead < 1 and s.routing_s > 0
+    assert s.deep_passes >= 1 and s.mean_fill_chunk >= 1
+    assert "hit rate" in s.summary()
+    assert '"exit_histogram"' in s.to_json()
+
+
+def test_bf16_on_cpu_follows_the_model_dtype():
+    model = tiny_llama(0, dtype=torch.bfloat16)
+    ids = prompt(0)
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **NEVER_EXIT)
+    assert next(router.heads.parameters()).dtype == torch.bfloat16
+    assert torch.equal(router.generate(ids, max_new_tokens=12).sequences, ref)
+    out = router.generate(ids, max_new_tokens=12, **{})
+    assert out.cache.layers[0].keys.dtype == torch.bfloat16

@@ -1,0 +1,163 @@
+"""In-place patching: exact undo, the plain model inside disabled(), and no half-applied patch on errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from early_exit_router import EarlyExitRouter, RouterConfig
+
+from .conftest import MIXED, assert_same_model, model_fingerprint, prompt, tiny_llama
+
+
+def test_from_model_copies_no_weights_and_adds_only_the_adapters(model):
+    base_params = sum(p.numel() for p in model.parameters())
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    assert router.model is model
+    assert router._stack.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    added = sum(p.numel() for p in model.parameters()) - base_params
+    assert added == router.num_added_parameters() == 2 * (32 * 32 + 32)
+    assert router.added_parameter_share() == pytest.approx(added / base_params)
+    assert "exits at [1, 3]" in router.describe() and "UNTRAINED" in router.describe()
+
+
+def test_unpatch_returns_the_original_object_with_identical_logits_params_and_keys(model):
+    before = model_fingerprint(model)
+    ids = prompt(0)
+    with torch.no_grad():
+        ref_logits = model(ids).logits
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    router.generate(ids, max_new_tokens=10)
+    assert "early_exit_heads" in dict(model.named_children())
+    base = router.unpatch()
+    assert base is model
+    assert_same_model(before, model_fingerprint(base))
+    with torch.no_grad():
+        assert torch.equal(base(ids).logits, ref_logits)
+    with pytest.raises(RuntimeError, match="unpatched"):
+        router.generate(ids, max_new_tokens=2)
+    # The unpatched model can be patched again.
+    EarlyExitRouter.from_model(base, exit_layers=[2]).unpatch()
+
+
+def test_disabled_gives_the_plain_model_and_plain_generate(model):
+    before = model_fingerprint(model)
+    ids = prompt(0)
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    with router.disabled() as plain:
+        assert plain is model
+        assert_same_model(before, model_fingerprint(model))
+        out = router.generate(ids, max_new_tokens=12)
+        assert torch.equal(out.sequences, ref)
+        assert out.stats.mode == "plain" and out.stats.exit_histogram == {5: 12}
+    assert router.is_enabled
+    assert "early_exit_heads" in dict(model.named_children())
+
+
+def test_disabled_restores_the_patch_even_after_an_exception(model):
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    with pytest.raises(KeyError), router.disabled():
+        raise KeyError("boom")
+    assert router.is_enabled and "early_exit_heads" in dict(model.named_children())
+
+
+def test_a_model_cannot_be_patched_twice(model):
+    EarlyExitRouter.from_model(model, exit_layers=[1])
+    with pytest.raises(ValueError, match="already patched"):
+        EarlyExitRouter.from_model(model, exit_layers=[2])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(exit_layers=[1, 7]), ValueError, "out of range"),
+        (dict(exit_layers=[5]), ValueError, "layer 5 is the full depth"),
+        (dict(exit_layers=[3, 1]), ValueError, "sorted"),
+        (dict(exit_layers=[2, 2]), ValueError, "duplicates"),
+        (dict(high_conf_threshold=1.2), ValueError, "\\[0, 1\\]"),
+        (dict(high_conf_threshold=0.2, low_conf_threshold=0.5), ValueError, "above"),
+        (dict(mode="turbo"), ValueError, "Unknown mode"),
+        (dict(no_such_knob=1), TypeError, "Unknown RouterConfig fields"),
+    ],
+)
+def test_bad_config_leaves_the_model_untouched(model, kwargs, error, message):
+    before = model_fingerprint(model)
+    with pytest.raises(error, match=message):
+        EarlyExitRouter.from_model(model, **kwargs)
+    assert_same_model(before, model_fingerprint(model))
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32))
+    before = model_fingerprint(gpt2)
+    with pytest.raises(ValueError, match="Unsupported architecture 'gpt2'.*Supported model_type values: .*llama"):
+        EarlyExitRouter.from_model(gpt2, config=RouterConfig(exit_layers=[0]))
+    assert_same_model(before, model_fingerprint(gpt2))
+
+
+def test_a_base_model_without_lm_head_is_refused():
+    bare = tiny_llama().model
+    bare.config.model_type = "llama"
+    with pytest.raises(ValueError, match="needs a causal LM with its LM head"):
+        EarlyExitRouter.from_model(bare)
+
+
+@pytest.mark.parametrize(
+    "ids, kwargs, error, message",
+    [
+        (torch.zeros((1, 0), dtype=torch.long), {}, ValueError, "empty"),
+        (torch.tensor([1, 2, 3]), {}, ValueError, "must be 2-D .*unsqueeze\\(0\\)"),
+        (torch.ones((2, 3), dtype=torch.long), {}, ValueError, "Batch size 2 is not supported yet"),
+        (torch.ones((1, 3), dtype=torch.float), {}, TypeError, "integer token ids"),
+        (torch.tensor([[1, 200]]), {}, ValueError, "outside the vocabulary"),
+        (torch.ones((1, 3), dtype=torch.long), dict(max_new_tokens=0), ValueError, "positive integer"),
+        (torch.ones((1, 3), dtype=torch.long), dict(max_new_tokens=-4), ValueError, "positive integer"),
+        (torch.ones((1, 3), dtype=torch.long), dict(mode="fast"), ValueError, "Unknown mode 'fast'"),
+        (torch.ones((1, 3), dtype=torch.long), dict(temperature=0.0, do_sample=True), ValueError, "temperature"),
+        (torch.ones((1, 3), dtype=torch.long), dict(top_p=1.5), ValueError, "top_p"),
+        (torch.ones((1, 3), dtype=torch.long), dict(stop_strings=["x"]), ValueError, "need a tokenizer"),
+        ("a text prompt", {}, ValueError, "No tokenizer is attached"),
+        (
+            torch.ones((1, 3), dtype=torch.long),
+            dict(attention_mask=torch.tensor([[0, 1, 1]])),
+            ValueError,
+            "Padding is not supported",
+        ),
+    ],
+)
+def test_bad_generate_input_is_refused_and_changes_nothing(model, ids, kwargs, error, message):
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    before = model_fingerprint(model)
+    with pytest.raises(error, match=message):
+        router.generate(ids, **{"max_new_tokens": 4, **kwargs})
+    assert_same_model(before, model_fingerprint(model))
+    assert router.generate(prompt(0), max_new_tokens=3).stats.new_tokens == 3
+
+
+def test_heads_follow_the_model_to_another_dtype(model):
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    model.to(torch.float64)
+    assert next(router.heads.parameters()).dtype == torch.float64
+    ref = model.generate(prompt(0), max_new_tokens=8, do_sample=False)
+    router.config = router.config.replace(high_conf_threshold=1.0, low_conf_threshold=1.0, entropy_threshold=0.0)
+    assert torch.equal(router.generate(prompt(0), max_new_tokens=8).sequences, ref)
+
+
+def test_a_custom_gate_runs_before_the_head_and_can_veto_every_exit(model):
+    from torch import nn
+
+    class Never(nn.Module):
+        def forward(self, hidden):
+            return torch.zeros(hidden.shape[:-1])
+
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], high_conf_threshold=0.0, low_conf_threshold=0.0)
+    assert router.generate(prompt(0), max_new_tokens=10).stats.hit_rate > 0
+    router.set_gate(1, Never())
+    router.set_gate(3, Never())
+    assert router.generate(prompt(0), max_new_tokens=10).stats.hit_rate == 0
+    router.config = router.config.replace(use_gate=False)
+    assert router.generate(prompt(0), max_new_tokens=10).stats.hit_rate > 0
+    with pytest.raises(ValueError, match="has no exit head"):
+        router.set_gate(2, Never())
