@@ -1,0 +1,122 @@
+"""Check the router's contract on a CUDA GPU, in fp16 and bf16: run it on a machine with a GPU.
+
+    python examples/gpu_check.py            # tiny random Llama + SmolLM2-135M (when its package is installed)
+
+Checks, per dtype: never-exit output identical to `model.generate`; verify mode identical to greedy; every
+layer's cache equal to a full forward pass after mixed exits; host-device syncs in the decode loop counted with
+`torch.cuda.set_sync_debug_mode("warn")` against routing decisions and emitted tokens. Then it times plain HF
+generate against exit and verify mode on SmolLM2. Exit code 0 when every check passes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from early_exit_router import EarlyExitRouter  # noqa: E402
+from tests.conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, tiny_llama  # noqa: E402
+
+FAILURES: list[str] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}")
+    if not ok:
+        FAILURES.append(name)
+
+
+def cache_error(model, out) -> float:
+    with torch.no_grad():
+        full = model(out.sequences[:, :-1], use_cache=True).cache
+    return max(
+        max((a.keys - b.keys).abs().max().item(), (a.values - b.values).abs().max().item())
+        for a, b in zip(out.cache.layers, full.layers)
+    )
+
+
+def count_syncs(fn) -> tuple[int, object]:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught), result
+
+
+def contract(label: str, model, ids: torch.Tensor, exit_layers: list[int], mixed: dict, atol: float) -> None:
+    n = 24
+    ref = model.generate(ids, max_new_tokens=n, do_sample=False)
+    router = EarlyExitRouter.from_model(model, exit_layers=exit_layers, **NEVER_EXIT)
+    out = router.generate(ids, max_new_tokens=n)
+    check(f"{label} never-exit == generate", torch.equal(out.sequences, ref))
+    router.config = router.config.replace(**mixed)
+    out = router.generate(ids, max_new_tokens=n, mode="verify")
+    check(f"{label} verify == greedy", torch.equal(out.sequences, ref), f"hit rate {out.stats.hit_rate:.2f}")
+    syncs, out = count_syncs(lambda: router.generate(ids, max_new_tokens=n, mode="exit"))
+    err = cache_error(model, out)
+    check(f"{label} cache == full forward after mixed exits", err <= atol, f"max abs diff {err:.2e}")
+    s = out.stats
+    # Expected: one per routing decision (flag, confidence and token together), one per deep pass, plus prefill.
+    budget = s.new_tokens * len(exit_layers) + s.deep_passes + 8
+    check(f"{label} host syncs within budget", syncs <= budget, f"{syncs} syncs for {s.new_tokens} tokens")
+    router.unpatch()
+
+
+def timing(router: EarlyExitRouter) -> None:
+    ids = router.encode("List the seven days of the week as a numbered list, one per line.", chat=True)
+    for _ in range(2):  # warm-up
+        router.generate(ids, max_new_tokens=8)
+    arms = {}
+    with router.disabled():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        plain = router.generate(ids, max_new_tokens=64)
+        torch.cuda.synchronize()
+        arms["plain"] = (plain.stats.new_tokens / (time.perf_counter() - t), plain)
+    for mode in ("exit", "verify"):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = router.generate(ids, max_new_tokens=64, mode=mode)
+        torch.cuda.synchronize()
+        arms[mode] = (out.stats.new_tokens / (time.perf_counter() - t), out)
+    base = arms["plain"][0]
+    for name, (tps, out) in arms.items():
+        print(f"  {name}: {tps:.1f} tok/s ({tps / base:.2f}x plain), hit rate {out.stats.hit_rate:.2f}")
+    check("smollm2 verify == plain", torch.equal(arms["verify"][1].sequences, arms["plain"][1].sequences))
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("No CUDA device: this script checks the GPU path. The CPU path is covered by the test suite.")
+        return 1
+    print(torch.cuda.get_device_name(0), torch.__version__)
+    warnings.filterwarnings("ignore", message="Exit mode with UNTRAINED")
+    for dtype in (torch.float16, torch.bfloat16):
+        model = tiny_llama(0).to("cuda", dtype)
+        ids = torch.randint(1, 96, (1, 6), device="cuda")
+        contract(f"tiny {dtype}", model, ids, [1, 3], MIXED, atol=2e-2)
+        contract(f"tiny {dtype} always-exit", tiny_llama(0).to("cuda", dtype), ids, [2], ALWAYS_EXIT, atol=2e-2)
+        try:
+            router = EarlyExitRouter.from_pretrained("smollm2-135m", dtype=dtype, device="cuda")
+        except FileNotFoundError as exc:
+            print(f"skip SmolLM2: {exc}")
+            continue
+        ids = router.encode("Write a short poem about the sea.", chat=True)
+        model = router.unpatch()
+        contract(f"smollm2 {dtype}", model, ids, [10, 20], {}, atol=5e-2)
+        router = EarlyExitRouter.from_pretrained("smollm2-135m", dtype=dtype, device="cuda")
+        timing(router)
+    print("ALL PASS" if not FAILURES else f"FAILED: {FAILURES}")
+    return 0 if not FAILURES else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

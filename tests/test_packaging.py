@@ -1,0 +1,48 @@
+"""The wheel carries the per-architecture patches and shipped checkpoints, not only the checkout."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build a wheel")
+def test_wheel_contains_patches_and_checkpoint_package(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("early_exit_router-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for patch in (ROOT / "patches").glob("*.json"):
+        assert f"early_exit_router/patches/{patch.name}" in names
+    assert "early_exit_router/checkpoints/__init__.py" in names
+    for shipped in (ROOT / "checkpoints").glob("*/*"):
+        assert f"early_exit_router/checkpoints/{shipped.parent.name}/{shipped.name}" in names
+    assert not any(n.startswith(("patches/", "checkpoints/", "tests/")) for n in names)
+
+
+def test_patch_table_is_read_through_the_installed_package():
+    from early_exit_router.architecture import architecture_table, supported_model_types
+
+    assert "llama" in supported_model_types()
+    assert architecture_table()["llama"].layers == "model.layers"
