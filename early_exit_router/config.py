@@ -30,6 +30,13 @@ class RouterConfig:
             "None picks layers at 1/3 and 2/3 of the depth."
         },
     )
+    active_exit_layers: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "The exit layers the router consults, a subset of exit_layers; None consults all. An empty list "
+            "keeps the heads loaded but runs every token at full depth (the engine's own cost, for comparisons)."
+        },
+    )
     mode: str = field(
         default="exit",
         metadata={
@@ -106,6 +113,13 @@ class RouterConfig:
         default=64,
         metadata={"help": "Rank of the 'lowrank' adapter."},
     )
+    check_agreement: bool = field(
+        default=True,
+        metadata={
+            "help": "In exit mode, compute the full model's logits for every exited token during the KV fill and "
+            "report agreement. Costs one LM-head row per exited token; False computes only the last row."
+        },
+    )
     heads_trained: bool = field(
         default=False,
         metadata={
@@ -118,6 +132,12 @@ class RouterConfig:
         if self.exit_layers is not None:
             self.exit_layers = [int(e) for e in self.exit_layers]
             _check_exit_layers(self.exit_layers)
+        if self.active_exit_layers is not None:
+            self.active_exit_layers = [int(e) for e in self.active_exit_layers]
+            if self.exit_layers is not None and not set(self.active_exit_layers) <= set(self.exit_layers):
+                raise ValueError(
+                    f"active_exit_layers {self.active_exit_layers} must be a subset of exit_layers {self.exit_layers}."
+                )
         if self.mode not in MODES:
             raise ValueError(f"Unknown mode {self.mode!r}: use one of {', '.join(MODES)}.")
         for name in ("high_conf_threshold", "low_conf_threshold", "gate_threshold", "window_min_confidence"):
@@ -148,6 +168,11 @@ class RouterConfig:
                 f"Exit layers {bad} are out of range for a model with {num_layers} layers: use 0-based indices "
                 f"from 0 to {num_layers - 2} (layer {num_layers - 1} is the full depth)."
             )
+
+    def consulted_exit_layers(self) -> list[int]:
+        """The exit layers the router asks, in depth order."""
+        layers = self.exit_layers or []
+        return [e for e in layers if self.active_exit_layers is None or e in self.active_exit_layers]
 
     def resolved_exit_layers(self, num_layers: int) -> list[int]:
         """The configured exit layers, or the default ones (1/3 and 2/3 of the depth)."""

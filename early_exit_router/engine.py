@@ -87,7 +87,7 @@ class Engine:
         self.heads = heads
         self.router = router
         self.config = config
-        self.exits = list(heads.exit_layers)
+        self.exits = config.consulted_exit_layers()
         # segment s runs layers [starts[s], starts[s + 1])
         self.starts = [0] + [e + 1 for e in self.exits] + [stack.num_layers]
         self.full_layer = stack.num_layers - 1
@@ -255,7 +255,9 @@ class Engine:
         (when `has_current`) predicted an exited token. Returns True when verify mode rejected a draft.
         """
         m = hidden.shape[1]
-        logits = self.stack.logits(hidden)[0]  # (m, vocab)
+        check_all = request.mode == "verify" or self.config.check_agreement
+        # (m, vocab), or only the last row when exited tokens need no check
+        logits = self.stack.logits(hidden if check_all else hidden[:, -1:])[0]
         n_drafts = m - 1 if has_current else m
         state.deep_passes += 1
         state.fill_positions += m
@@ -263,6 +265,8 @@ class Engine:
         drafts = state.seq[0, chunk_start + 1 : chunk_start + 1 + n_drafts]  # (n_drafts,) exited tokens
         if request.mode == "verify":
             return self._verify(state, logits, chunk_start, n_drafts, has_current, request, selector)
+        if not check_all:
+            n_drafts, drafts = 0, drafts[:0]
 
         matches = (logits[:n_drafts].argmax(dim=-1) == drafts).long()
         if has_current:

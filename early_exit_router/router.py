@@ -287,6 +287,11 @@ class EarlyExitRouter:
         """
         if self._state == "unpatched":
             raise RuntimeError("This router was unpatched: build a new one with EarlyExitRouter.from_model(model).")
+        if self.config.exit_layers != self.heads.exit_layers:
+            raise ValueError(
+                f"config.exit_layers {self.config.exit_layers} differ from the loaded heads' {self.heads.exit_layers}: "
+                "change thresholds with config.replace(...), or build a router with new heads for other layers."
+            )
         mode = mode or self.config.mode
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}: use one of {', '.join(MODES)}.")

@@ -1,6 +1,6 @@
 """The public API in a few lines: load, generate in both modes, compare with the plain model, save and reload.
 
-    python examples/basic.py
+python examples/basic.py
 """
 
 from __future__ import annotations

@@ -21,8 +21,6 @@ import torch
 
 from early_exit_router import EarlyExitRouter
 
-NEVER_EXIT = dict(high_conf_threshold=1.0, low_conf_threshold=1.0, entropy_threshold=0.0)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,7 +43,7 @@ def main() -> None:
             with router.disabled():
                 return router.generate(ids, max_new_tokens=args.max_new_tokens)
         if name == "router, exits off":
-            router.config = configured.replace(**NEVER_EXIT)
+            router.config = configured.replace(active_exit_layers=[])  # heads loaded, never consulted
             try:
                 return router.generate(ids, max_new_tokens=args.max_new_tokens, mode="exit")
             finally:
@@ -68,8 +66,15 @@ def main() -> None:
             identical = torch.equal(out.sequences, plain.sequences)
             for key in (item["category"], "all"):
                 rows[key][arm].append((s.new_tokens, s.wall_time_s, s.hit_rate, s.agreement, identical))
-            records.append({"id": item["id"], "category": item["category"], "arm": arm, **s.to_dict(),
-                            "identical_to_plain": identical})
+            records.append(
+                {
+                    "id": item["id"],
+                    "category": item["category"],
+                    "arm": arm,
+                    **s.to_dict(),
+                    "identical_to_plain": identical,
+                }
+            )
         print(f"{item['id']}: " + ", ".join(f"{a}: {r.stats.tokens_per_s:.1f} tok/s" for a, r in results.items()))
 
     print(f"\nmax_new_tokens={args.max_new_tokens}, greedy, {len(prompts)} prompts\n")
@@ -84,8 +89,10 @@ def main() -> None:
             agreements = [r[3] for r in runs if r[3] is not None]
             agreement = f"{statistics.mean(agreements):.3f}" if agreements else "n/a"
             identical = sum(r[4] for r in runs)
-            print(f"| {category} | {arm} | {tps:.1f} | {tps / plain_tps:.2f} | {hit:.3f} | {agreement} | "
-                  f"{identical}/{len(runs)} |")
+            print(
+                f"| {category} | {arm} | {tps:.1f} | {tps / plain_tps:.2f} | {hit:.3f} | {agreement} | "
+                f"{identical}/{len(runs)} |"
+            )
     if args.json_out:
         args.json_out.write_text(json.dumps(records, indent=2))
 

@@ -242,3 +242,37 @@ def test_bf16_on_cpu_follows_the_model_dtype():
     assert torch.equal(router.generate(ids, max_new_tokens=12).sequences, ref)
     out = router.generate(ids, max_new_tokens=12, **{})
     assert out.cache.layers[0].keys.dtype == torch.bfloat16
+
+
+def test_no_active_exit_is_plain_greedy_even_where_the_lens_is_certain():
+    model = tiny_llama(0)
+    ids = prompt(0)
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **ALWAYS_EXIT)
+    router.config = router.config.replace(active_exit_layers=[])
+    out = router.generate(ids, max_new_tokens=20)
+    assert torch.equal(out.sequences, ref) and out.stats.hit_rate == 0
+    router.config = router.config.replace(active_exit_layers=[3])
+    assert set(router.generate(ids, max_new_tokens=20).stats.exit_histogram) == {3, 5}
+    with pytest.raises(ValueError, match="must be a subset of exit_layers"):
+        router.config.replace(active_exit_layers=[2])
+
+
+def test_agreement_check_can_be_skipped_without_changing_tokens():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    checked = router.generate(prompt(0), max_new_tokens=30)
+    router.config = router.config.replace(check_agreement=False)
+    unchecked = router.generate(prompt(0), max_new_tokens=30)
+    assert torch.equal(checked.sequences, unchecked.sequences)
+    assert checked.stats.agreement is not None and unchecked.stats.agreement is None
+    assert_cache_matches_full_forward(model, unchecked.sequences, unchecked.cache)
+
+
+def test_a_config_for_other_exit_layers_is_refused_at_generate():
+    from early_exit_router import RouterConfig
+
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    router.config = RouterConfig(exit_layers=[2])
+    with pytest.raises(ValueError, match="differ from the loaded heads"):
+        router.generate(prompt(0), max_new_tokens=3)
