@@ -94,6 +94,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="Print the statistics as JSON instead of a summary.")
     _add_router_options(gen)
+
+    train = sub.add_parser(
+        "train-heads",
+        help="Train the exit heads (and gates) by self-distillation and save the router.",
+        description="Train exit adapters by KL self-distillation to the frozen full model, on the model's own "
+        "answers to a prompt set plus READMEs of installed packages; fit a learned gate per exit; pick "
+        "high_conf_threshold for a target agreement on held-out positions; save the router folder.",
+    )
+    train.add_argument("--model", default=DEFAULT_MODEL, help="Base model: alias, HF folder or .gguf file.")
+    train.add_argument("--out", required=True, help="Folder to save the trained router into.")
+    train.add_argument("--max-tokens", type=int, default=120_000, help="Corpus size in tokens (default: %(default)s).")
+    train.add_argument("--max-steps", type=int, default=600, help="Optimiser steps (default: %(default)s).")
+    train.add_argument("--batch-tokens", type=int, default=512, help="Positions per step (default: %(default)s).")
+    train.add_argument("--lr", type=float, default=2e-3, help="Learning rate (default: %(default)s).")
+    train.add_argument("--ce-weight", type=float, default=0.0, help="Weight of next-token cross-entropy.")
+    train.add_argument("--seed", type=int, default=0, help="Seed (default: %(default)s).")
+    train.add_argument(
+        "--self-gen-tokens", type=int, default=96, help="Answer length per training prompt; 0 skips self-generation."
+    )
+    train.add_argument("--prompts", default=None, help="JSONL of training prompts (default: the shipped set).")
+    train.add_argument("--no-docs", action="store_true", help="Do not train on installed packages' READMEs.")
+    train.add_argument("--no-gates", action="store_true", help="Do not fit learned gates.")
+    train.add_argument(
+        "--target-agreement",
+        type=float,
+        default=0.9,
+        help="Pick high_conf_threshold so held-out exits agree this often (default: %(default)s; 0 keeps it).",
+    )
+    train.add_argument("--quiet", action="store_true", help="No progress bars.")
+    _add_router_options(train)
+
+    report = sub.add_parser(
+        "eval-heads",
+        help="Report exit-head agreement with the full model, logit lens vs trained, on held-out text.",
+        description="For each exit layer: top-1 agreement with the final layer for the logit lens and the loaded "
+        "heads over all tokens, the share of tokens the router's cascade lets exit there at the loaded thresholds, "
+        "and the agreement among those. Sources: the model's answers to the development prompts, Debian's "
+        "common licenses and CPython standard-library source (none of them used in training).",
+    )
+    report.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    report.add_argument("--prompts", default=None, help="Development prompts JSONL (default: the shipped set).")
+    report.add_argument("--answer-tokens", type=int, default=96, help="Answer length per development prompt.")
+    report.add_argument("--max-tokens", type=int, default=6000, help="Tokens per held-out text source.")
+    report.add_argument("--json", default=None, help="Also write the tables to this JSON file.")
+    _add_router_options(report)
     return parser
 
 
@@ -155,6 +200,78 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_heads(args: argparse.Namespace) -> int:
+    from .router import EarlyExitRouter
+    from .training import TrainingConfig, corpus_sequences, distill_router
+
+    overrides = _router_overrides(args)
+    router = EarlyExitRouter.from_pretrained(args.model, fresh_heads=True, **overrides)
+    print(router.describe(), file=sys.stderr)
+    cfg = TrainingConfig(
+        max_steps=args.max_steps, batch_tokens=args.batch_tokens, lr=args.lr, ce_weight=args.ce_weight, seed=args.seed
+    )
+    start = time.perf_counter()
+    sequences, manifest = corpus_sequences(
+        router, args.max_tokens, args.self_gen_tokens, args.prompts, use_docs=not args.no_docs, progress=not args.quiet
+    )
+    result = distill_router(
+        router,
+        sequences,
+        cfg,
+        gates=not args.no_gates,
+        target_agreement=args.target_agreement or None,
+        progress=not args.quiet,
+    )
+    result["corpus"] = manifest
+    result["wall_seconds"] = round(time.perf_counter() - start, 1)
+    router.save_pretrained(args.out)
+    from pathlib import Path
+
+    (Path(args.out) / "training_report.json").write_text(json.dumps(result, indent=2) + "\n")
+    from .head_report import ExitQuality, format_table
+
+    print(
+        format_table("held-out positions of the training corpus", [ExitQuality(**r) for r in result["holdout_quality"]])
+    )
+    print(f"saved to {args.out}; thresholds {result.get('thresholds')}; {result['wall_seconds']} s in all")
+    return 0
+
+
+def cmd_eval_heads(args: argparse.Namespace) -> int:
+    from importlib import resources
+
+    from .corpus import held_out_texts, self_generated
+    from .head_report import as_dicts, exit_signals, format_table, quality_table
+    from .router import EarlyExitRouter
+    from .training import build_cache
+
+    router = EarlyExitRouter.from_pretrained(args.model, **_router_overrides(args))
+    print(router.describe(), file=sys.stderr)
+    tok = router.tokenizer
+    if tok is None:
+        raise ValueError("eval-heads needs the model's tokenizer.")
+    prompts_text = (
+        open(args.prompts).read()
+        if args.prompts
+        else (resources.files("early_exit_router.data") / "dev_prompts.jsonl").read_text()
+    )
+    prompts = [json.loads(line) for line in prompts_text.splitlines() if line.strip()]
+    with router.disabled() as model:
+        sources = {"development prompts (model answers)": self_generated(model, tok, prompts, args.answer_tokens)}
+    for name, text in held_out_texts().items():
+        sources[name] = [tok(text, add_special_tokens=False).input_ids[: args.max_tokens]]
+    tables = {}
+    for name, sequences in sources.items():
+        cache = build_cache(router._stack, router.exit_layers, sequences, chunk_len=256, progress=False)
+        rows = quality_table(exit_signals(router, cache))
+        tables[name] = {"positions": len(cache), "rows": as_dicts(rows)}
+        print(format_table(f"{name}: {len(cache)} positions", rows) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": router.describe(), "config": router.config.to_dict(), "tables": tables}, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -162,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "train-heads":
+            return cmd_train_heads(args)
+        if args.command == "eval-heads":
+            return cmd_eval_heads(args)
     except (ValueError, FileNotFoundError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

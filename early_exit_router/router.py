@@ -107,6 +107,7 @@ class EarlyExitRouter:
         *,
         dtype: torch.dtype | str | None = None,
         device: str | torch.device | None = None,
+        fresh_heads: bool = False,
         **overrides: Any,
     ) -> EarlyExitRouter:
         """Load a base model and its exit heads.
@@ -114,24 +115,22 @@ class EarlyExitRouter:
         `name_or_path` is an alias (`smollm2-135m`, which uses its shipped trained heads when present), a local HF
         model folder, a `.gguf` file, or a folder written by `save_pretrained`. `config` replaces the saved
         config; `overrides` change single fields (thresholds, mode, ...). Changing `exit_layers` or the adapter
-        of saved heads is refused, since those heads would not exist.
+        of saved heads is refused, since those heads would not exist. `fresh_heads=True` ignores saved or shipped
+        heads and attaches new, untrained ones (for training).
         """
         dtype = _parse_dtype(dtype)
         source = str(name_or_path)
-        router_dir: Path | None = None
+        saved = None
         if is_router_dir(source):
-            router_dir = Path(source)
+            saved = load_router(source)
+            source = saved.identity.name_or_path
         else:
             alias = resolve_alias(source)
-            if alias is not None:
-                router_dir = shipped_checkpoint(alias)
-        if router_dir is None:
-            model, tokenizer, name = load_base_model(source, dtype, device)
+            shipped = shipped_checkpoint(alias) if alias is not None else None
+            saved = load_router(shipped) if shipped is not None else None
+        model, tokenizer, name = load_base_model(source, dtype, device)
+        if saved is None or fresh_heads:
             return cls.from_model(model, tokenizer, config, name_or_path=name, **overrides)
-
-        saved = load_router(router_dir)
-        base = saved.identity.name_or_path if is_router_dir(source) else source
-        model, tokenizer, name = load_base_model(base, dtype, device)
         return cls._from_saved(model, tokenizer, saved, config, name, **overrides)
 
     @classmethod

@@ -73,22 +73,29 @@ class Router:
         state.block_remaining = 0
 
     def gate_allows(self, gate_prob: torch.Tensor) -> torch.Tensor:
-        """(1,) probability -> bool scalar tensor (on device, no sync)."""
-        return gate_prob.reshape(()) >= self.config.gate_threshold
+        """Gate probabilities -> bool tensor of the same shape (on device, no sync)."""
+        return gate_prob >= self.config.gate_threshold
 
-    def head_signal(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(vocab,) head logits -> (exit flag, confidence), both 0-d tensors on the logits' device (no sync)."""
-        cfg = self.config
+    def confidence_entropy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., vocab) logits -> max probability and entropy (normalised when configured), shape (...)."""
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         probs = log_probs.exp()
-        confidence = probs.max()
-        entropy = -(probs * log_probs).sum()
-        if cfg.entropy_normalized:
+        entropy = -(probs * log_probs).sum(dim=-1)
+        if self.config.entropy_normalized:
             entropy = entropy / self.log_vocab
-        exit_flag = (confidence >= cfg.high_conf_threshold) | (
+        return probs.amax(dim=-1), entropy
+
+    def exit_rule(self, confidence: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        """The confidence -> entropy cascade as a bool tensor."""
+        cfg = self.config
+        return (confidence >= cfg.high_conf_threshold) | (
             (confidence >= cfg.low_conf_threshold) & (entropy <= cfg.entropy_threshold)
         )
-        return exit_flag, confidence
+
+    def head_signal(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., vocab) head logits -> (exit flags, confidences) of shape (...), on the logits' device (no sync)."""
+        confidence, entropy = self.confidence_entropy(logits)
+        return self.exit_rule(confidence, entropy), confidence
 
     def record_exit(self, state: RoutingState, confidence: float) -> None:
         if self.config.confidence_window:

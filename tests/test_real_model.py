@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.checkpoint import is_router_dir, load_router
 from early_exit_router.cli import main
-from early_exit_router.models import alias_gguf_path
+from early_exit_router.models import alias_gguf_path, shipped_checkpoint
 
 from .conftest import assert_cache_matches_full_forward
 
@@ -21,11 +22,31 @@ def smol():
     return EarlyExitRouter.from_pretrained("smollm2-135m")
 
 
-def test_default_model_loads_with_its_tokenizer(smol):
+def test_default_model_loads_with_its_tokenizer_and_shipped_trained_heads(smol):
     assert smol.model.config.model_type == "llama"
     assert smol._stack.num_layers == 30
     assert smol.tokenizer is not None
-    assert smol.exit_layers == [10, 20]
+    shipped = shipped_checkpoint("smollm2-135m")
+    assert shipped is not None and is_router_dir(shipped)
+    assert smol.exit_layers == load_router(shipped).exit_layers
+    assert smol.config.heads_trained
+    assert all(p.abs().sum() > 0 for p in smol.heads.adapters.parameters())  # trained, not the zero-init lens
+    assert set(smol.heads.gates) == {str(e) for e in smol.exit_layers}
+
+
+def test_shipped_heads_are_used_without_the_untrained_warning(smol, recwarn):
+    import warnings
+
+    warnings.simplefilter("always")
+    ids = smol.encode("Say hi.", chat=True)
+    smol.generate(ids, max_new_tokens=4, mode="exit")
+    assert not [w for w in recwarn if "UNTRAINED" in str(w.message)]
+
+
+def test_fresh_heads_can_be_requested_for_training():
+    router = EarlyExitRouter.from_pretrained("smollm2-135m", fresh_heads=True, exit_layers=[10])
+    assert not router.config.heads_trained and router.exit_layers == [10]
+    assert all(p.abs().sum() == 0 for p in router.heads.adapters.parameters())
 
 
 @pytest.mark.parametrize("mode", ["exit", "verify"])
@@ -46,7 +67,7 @@ def test_never_exit_and_verify_match_hf_greedy_on_the_real_model(smol, mode):
 def test_exit_mode_fills_the_cache_exactly_on_the_real_model(smol):
     ids = smol.encode("Write the numbers from one to ten.", chat=True)
     out = smol.generate(ids, max_new_tokens=24, mode="exit")
-    assert out.stats.hit_rate > 0  # the untrained lens exits plenty at the default thresholds
+    assert out.stats.hit_rate > 0  # counting from one to ten: the shipped heads exit on part of it
     assert_cache_matches_full_forward(smol.model, out.sequences, out.cache, atol=1e-4)
 
 
@@ -58,7 +79,7 @@ def test_stop_strings_end_generation(smol):
 
 
 def test_a_gguf_file_loads_through_the_same_cache():
-    router = EarlyExitRouter.from_pretrained(str(alias_gguf_path("smollm2-135m")), exit_layers=[15])
+    router = EarlyExitRouter.from_pretrained(str(alias_gguf_path("smollm2-135m")), exit_layers=[15])  # no heads
     assert router.exit_layers == [15] and router.tokenizer is not None
 
 
@@ -71,8 +92,26 @@ def test_cli_generate_prints_text_and_statistics(capsys):
 
 
 def test_cli_reports_bad_options_clearly(capsys):
-    assert main(["generate", "x", "--exit-layers", "10,40"]) == 2
-    assert "out of range" in capsys.readouterr().err
+    assert main(["generate", "x", "--high-conf-threshold", "2"]) == 2
+    assert "high_conf_threshold must be in [0, 1]" in capsys.readouterr().err
+    assert main(["generate", "x", "--exit-layers", "10,20"]) == 2  # the shipped heads sit elsewhere
+    assert "cannot be loaded with another exit_layers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert "--high-conf-threshold" in capsys.readouterr().out
+
+
+def test_cli_trains_saves_and_reports_heads_on_a_small_budget(tmp_path, capsys):
+    out = tmp_path / "heads"
+    args = ["--max-tokens", "700", "--max-steps", "3", "--self-gen-tokens", "8", "--exit-layers", "24"]
+    assert main(["train-heads", "--out", str(out), "--no-docs", "--quiet", *args]) == 0
+    report = json.loads((out / "training_report.json").read_text())
+    assert report["training"]["steps"] == 3 and report["corpus"]["self_generated"]["prompts"] == 48
+    router = EarlyExitRouter.from_pretrained(out)
+    assert router.config.heads_trained and router.exit_layers == [24] and "24" in router.heads.gates
+    capsys.readouterr()
+    assert main(["eval-heads", "--model", str(out), "--answer-tokens", "8", "--max-tokens", "300"]) == 0
+    printed = capsys.readouterr().out
+    for source in ("development prompts", "debian-licenses", "cpython-stdlib"):
+        assert source in printed
+    assert "| 24 |" in printed

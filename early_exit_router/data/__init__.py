@@ -1,0 +1,1 @@
+"""Data shipped with the package: the training prompt set for self-distillation."""

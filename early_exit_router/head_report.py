@@ -1,0 +1,145 @@
+"""Head quality on cached hidden states: agreement with the full model before and after training, and routing.
+
+For every position the router's cascade is replayed offline: gate (when present and enabled), then the
+confidence/entropy rule, exit after exit. Reported per exit: top-1 agreement of the logit lens and of the trained
+head over all positions, the share of positions the cascade lets exit there, and the agreement among those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import RouterConfig
+from .routing import Router
+from .training import HiddenStateCache, head_logits, teacher_top1
+
+
+@dataclass
+class ExitSignals:
+    """Per-position signals of one exit, computed once and replayed under any thresholds."""
+
+    layer: int
+    lens_agree: torch.Tensor  # (N,) bool
+    agree: torch.Tensor  # (N,) bool, trained head
+    logits_flag: torch.Tensor  # (N,) bool, confidence/entropy rule at the config's thresholds
+    gate_ok: torch.Tensor  # (N,) bool, all True without a gate
+    confidence: torch.Tensor  # (N,) float
+    entropy: torch.Tensor  # (N,) float, normalised or raw as configured
+
+
+@dataclass
+class ExitQuality:
+    layer: int
+    lens_agreement: float
+    trained_agreement: float
+    exit_share: float  # share of all positions the cascade lets exit here
+    agreement_when_exiting: float | None
+
+
+@torch.no_grad()
+def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[ExitSignals]:
+    stack, config = router._stack, router.config
+    decide = Router(config, stack.vocab_size)
+    target = teacher_top1(router, cache, batch)
+    out = []
+    for layer in router.heads.exit_layers:
+        lens, agree, flags, gates, confs, ents = [], [], [], [], [], []
+        gate = router.heads.gate(layer) if config.use_gate else None
+        for s in range(0, len(cache), batch):
+            h = cache.exits[layer][s : s + batch]
+            t = target[s : s + batch]
+            lens.append(head_logits(stack, None, h).argmax(-1).cpu() == t)
+            logits = head_logits(stack, router.heads.adapter(layer), h)
+            agree.append(logits.argmax(-1).cpu() == t)
+            conf, ent = decide.confidence_entropy(logits)
+            flags.append(decide.exit_rule(conf, ent).cpu())
+            confs.append(conf.cpu())
+            ents.append(ent.cpu())
+            h_dev = h.to(stack.device, stack.dtype)
+            gates.append(
+                decide.gate_allows(gate(h_dev)).cpu() if gate is not None else torch.ones_like(t, dtype=torch.bool)
+            )
+        out.append(
+            ExitSignals(
+                layer,
+                torch.cat(lens),
+                torch.cat(agree),
+                torch.cat(flags),
+                torch.cat(gates),
+                torch.cat(confs),
+                torch.cat(ents),
+            )
+        )
+    return out
+
+
+def cascade(signals: list[ExitSignals], flags: list[torch.Tensor]) -> list[tuple[int, float, float | None]]:
+    """(layer, exit share, agreement among exited) when each position leaves at the first exit whose flag is set."""
+    n = flags[0].shape[0]
+    remaining = torch.ones(n, dtype=torch.bool)
+    rows = []
+    for sig, flag in zip(signals, flags):
+        exits_here = remaining & flag & sig.gate_ok
+        remaining &= ~exits_here
+        count = int(exits_here.sum())
+        rows.append((sig.layer, count / n, float(sig.agree[exits_here].float().mean()) if count else None))
+    return rows
+
+
+def quality_table(signals: list[ExitSignals]) -> list[ExitQuality]:
+    rows = cascade(signals, [s.logits_flag for s in signals])
+    return [
+        ExitQuality(
+            layer=sig.layer,
+            lens_agreement=float(sig.lens_agree.float().mean()),
+            trained_agreement=float(sig.agree.float().mean()),
+            exit_share=share,
+            agreement_when_exiting=agreement,
+        )
+        for sig, (_, share, agreement) in zip(signals, rows)
+    ]
+
+
+def suggest_high_threshold(
+    signals: list[ExitSignals], config: RouterConfig, vocab_size: int, target: float
+) -> tuple[float, float, float]:
+    """The lowest high_conf_threshold whose cascade keeps agreement among exited positions >= `target`.
+
+    The other thresholds stay as in `config` (low capped at high). Returns (threshold, exit share, agreement).
+    A plain sweep on the data given.
+    """
+    best = (1.0, 0.0, 1.0)
+    for high in [x / 100 for x in range(30, 100, 2)]:
+        rule = Router(
+            config.replace(high_conf_threshold=high, low_conf_threshold=min(config.low_conf_threshold, high)),
+            vocab_size,
+        )
+        flags = [rule.exit_rule(s.confidence, s.entropy) for s in signals]
+        rows = cascade(signals, flags)
+        exited = sum(share for _, share, _ in rows)
+        agreed = sum(share * (agreement or 0.0) for _, share, agreement in rows)
+        agreement = agreed / exited if exited else 1.0
+        if agreement >= target:
+            return high, exited, agreement
+    return best
+
+
+def format_table(title: str, rows: list[ExitQuality]) -> str:
+    lines = [
+        f"### {title}",
+        "",
+        "| exit layer | logit lens agreement | trained agreement | exits here (cascade) | agreement when exiting |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        when = "n/a" if r.agreement_when_exiting is None else f"{r.agreement_when_exiting:.3f}"
+        lines.append(
+            f"| {r.layer} | {r.lens_agreement:.3f} | {r.trained_agreement:.3f} | {r.exit_share:.3f} | {when} |"
+        )
+    return "\n".join(lines)
+
+
+def as_dicts(rows: list[ExitQuality]) -> list[dict]:
+    return [asdict(r) for r in rows]

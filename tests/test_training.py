@@ -1,0 +1,100 @@
+"""Self-distillation of exit heads and gates, on tiny random models."""
+
+from __future__ import annotations
+
+import torch
+
+from early_exit_router import EarlyExitRouter
+from early_exit_router.head_report import cascade, exit_signals, quality_table, suggest_high_threshold
+from early_exit_router.training import (
+    TrainingConfig,
+    build_cache,
+    distillation_loss,
+    head_logits,
+    train_gates,
+    train_heads,
+)
+
+from .conftest import MIXED, VOCAB, prompt, tiny_llama
+
+
+def corpus(n_seqs: int = 12, length: int = 64, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (n_seqs, length), generator=g).tolist()
+
+
+def mean_kl(router, cache, layer) -> float:
+    stack = router._stack
+    with torch.no_grad():
+        teacher = stack.unembed(cache.final_normed).float()
+        student = head_logits(stack, router.heads.adapter(layer), cache.exits[layer])
+        return distillation_loss(student, teacher, cache.next_token, 0.0).item()
+
+
+def test_cache_holds_the_model_own_hidden_states():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    seqs = corpus(4, 32)
+    cache = build_cache(router._stack, [1, 3], seqs, chunk_len=32, progress=False)
+    assert len(cache) == 4 * 32
+    with torch.no_grad():
+        out = model(torch.tensor(seqs[:1]), output_hidden_states=True)
+        final = model.model(torch.tensor(seqs[:1])).last_hidden_state  # after the final norm
+    torch.testing.assert_close(cache.exits[3][:32], out.hidden_states[4][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache.final_normed[:32], final[0], atol=1e-5, rtol=0)
+    assert cache.next_token[:31].tolist() == seqs[0][1:] and cache.next_token[31] == -1
+
+
+def test_a_few_steps_lower_the_distillation_loss_and_leave_the_base_frozen():
+    model = tiny_llama(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    cache = build_cache(router._stack, [1, 3], corpus(), chunk_len=64, progress=False)
+    start = {e: mean_kl(router, cache, e) for e in (1, 3)}
+    report = train_heads(router, cache, TrainingConfig(max_steps=40, batch_tokens=128, lr=1e-2), progress=False)
+    for e in (1, 3):
+        assert mean_kl(router, cache, e) < 0.8 * start[e], (e, start[e], mean_kl(router, cache, e))
+    assert report.steps == 40 and set(report.loss_last) == {1, 3}
+    for k, v in router.unpatch().state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.requires_grad for p in model.parameters())  # frozen only while training
+
+
+def test_cross_entropy_mixing_is_accepted():
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[2])
+    cache = build_cache(router._stack, [2], corpus(4), chunk_len=64, progress=False)
+    report = train_heads(router, cache, TrainingConfig(max_steps=3, batch_tokens=64, ce_weight=0.5), progress=False)
+    assert report.loss_first[2] > 0
+
+
+def test_gates_train_and_switching_them_off_equals_having_none():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    cache = build_cache(router._stack, [1, 3], corpus(), chunk_len=64, progress=False)
+    train, holdout = cache.split(0.2, seed=0)
+    cfg = TrainingConfig(max_steps=20, batch_tokens=128, lr=1e-2, gate_steps=50)
+    train_heads(router, train, cfg, progress=False)
+    without_gates = router.generate(prompt(0), max_new_tokens=30)
+    accuracy = train_gates(router, train, holdout, cfg)
+    assert set(accuracy) == {1, 3} and all(0 <= a <= 1 for a in accuracy.values())
+    assert set(router.heads.gates) == {"1", "3"}
+    router.config = router.config.replace(use_gate=False)
+    off = router.generate(prompt(0), max_new_tokens=30)
+    assert torch.equal(off.sequences, without_gates.sequences)
+    assert off.stats.exit_histogram == without_gates.stats.exit_histogram
+
+
+def test_quality_report_replays_the_cascade():
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **MIXED)
+    cache = build_cache(router._stack, [1, 3], corpus(6), chunk_len=64, progress=False)
+    signals = exit_signals(router, cache)
+    rows = quality_table(signals)
+    # Untrained adapters are the logit lens: both agreement columns agree exactly.
+    for row in rows:
+        assert row.lens_agreement == row.trained_agreement
+    assert 0 < sum(r.exit_share for r in rows) <= 1
+    # The cascade lets a position leave once, at its first accepting exit.
+    everything = cascade(signals, [torch.ones(len(cache), dtype=torch.bool)] * 2)
+    assert everything[0][1] == 1.0 and everything[1][1] == 0.0
+    assert suggest_high_threshold(signals, router.config, VOCAB, target=0.0)[0] == 0.30  # lowest in the sweep
+    assert suggest_high_threshold(signals, router.config, VOCAB, target=1.01) == (1.0, 0.0, 1.0)  # unreachable
