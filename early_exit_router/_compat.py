@@ -58,6 +58,20 @@ def cache_layer_length(cache: DynamicCache, layer_idx: int) -> int:
     return cache.get_seq_length(layer_idx)
 
 
+def prepare_for_rollback(cache: DynamicCache) -> None:
+    """Let sliding-window layers keep evicted states until `trim_sliding` (verify mode may roll back into them)."""
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):
+            layer.activate_past_recording()
+
+
+def trim_sliding(cache: DynamicCache) -> None:
+    """Drop the states sliding-window layers kept for a rollback that can no longer happen."""
+    for layer in cache.layers:
+        if getattr(layer, "record_past", False) and layer.get_seq_length() >= layer.sliding_window:
+            layer.crop(0)
+
+
 def crop_cache_layer(cache: DynamicCache, layer_idx: int, keep: int) -> None:
     """Crop one layer of `cache` to its first `keep` positions (a negative count: the same meaning in 4.x and 5.x)."""
     remove = cache.get_seq_length(layer_idx) - keep

@@ -132,6 +132,8 @@ class Engine:
             checked_by_exit=[0] * len(self.exits),
             agreed_by_exit=[0] * len(self.exits),
         )
+        if request.mode == "verify":
+            _compat.prepare_for_rollback(state.cache)
         positions = torch.arange(n, device=stack.device).unsqueeze(0)
         hidden = stack.run(stack.embed(input_ids), 0, stack.num_layers, state.cache, positions)
         logits = stack.logits(hidden[:, -1:])[:, -1]  # (1, vocab): only the last position's prediction is needed
@@ -342,6 +344,7 @@ class Engine:
             self._append(state, token, int(token.item()), self.full_layer, row, request)
         state.draft_exit.clear()
         state.draft_probs.clear()
+        _compat.trim_sliding(state.cache)
         self._stream(state, request, self._verified_frontier(state, request))
         return rejected
 

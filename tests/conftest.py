@@ -66,7 +66,8 @@ def assert_cache_matches_full_forward(model, sequences: torch.Tensor, cache, ato
     expected_len = sequences.shape[1] - 1
     assert len(cache.layers) == len(full.layers)
     for layer_idx, (mine, ref) in enumerate(zip(cache.layers, full.layers)):
-        assert mine.keys.shape[-2] == expected_len, f"layer {layer_idx} holds {mine.keys.shape[-2]} positions"
+        assert mine.get_seq_length() == expected_len, f"layer {layer_idx} holds {mine.get_seq_length()} positions"
+        assert mine.keys.shape == ref.keys.shape, f"layer {layer_idx} keeps {mine.keys.shape} vs {ref.keys.shape}"
         torch.testing.assert_close(mine.keys, ref.keys, atol=atol, rtol=0, msg=f"keys of layer {layer_idx}")
         torch.testing.assert_close(mine.values, ref.values, atol=atol, rtol=0, msg=f"values of layer {layer_idx}")
 
