@@ -1,9 +1,10 @@
 """Measure the router against plain HF generation on a prompt set, side by side in one process.
 
-    python examples/measure_prompt_set.py [--prompts ../shared/bench/prompts.jsonl] [--max-new-tokens 64]
+    python examples/measure_prompt_set.py [--prompts FILE.jsonl] [--max-new-tokens 64]
 
 For every prompt, in interleaved order: plain HF `generate` (greedy), the router with exits switched off (the
-engine's own cost), the router in `exit` mode and in `verify` mode at the configured thresholds. Prints a markdown
+engine's own cost), the router in `exit` mode (with and without its learned gates) and in `verify` mode at the
+configured thresholds. Prints a markdown
 table per category: tokens/s and the ratio to plain HF measured in the same run, hit rate, agreement, and whether
 the output is token-identical to plain HF. Speed numbers depend on the machine; ratios are the thing to compare.
 """
@@ -15,6 +16,7 @@ import json
 import statistics
 import warnings
 from collections import defaultdict
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ from early_exit_router import EarlyExitRouter
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_prompts = Path(__file__).resolve().parents[2] / "shared" / "bench" / "prompts.jsonl"
+    default_prompts = Path(str(resources.files("early_exit_router.data") / "dev_prompts.jsonl"))
     parser.add_argument("--prompts", type=Path, default=default_prompts, help="JSONL: id, category, kind, prompt")
     parser.add_argument("--model", default="smollm2-135m", help="Alias, HF folder, GGUF file or router folder")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -38,19 +40,27 @@ def main() -> None:
     prompts = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     configured = router.config
 
+    # arm -> (mode, RouterConfig overrides); None is plain HF generate on the unpatched model
+    variants: dict[str, tuple[str, dict] | None] = {
+        "plain HF generate": None,
+        "router, exits off": ("exit", dict(active_exit_layers=[])),  # heads loaded, never consulted
+        "router exit": ("exit", {}),
+        "router exit, gates off": ("exit", dict(use_gate=False)),
+        "router verify": ("verify", {}),
+    }
+    arms = list(variants)
+
     def run(name: str, ids: torch.Tensor):
-        if name == "plain HF generate":
+        if variants[name] is None:
             with router.disabled():
                 return router.generate(ids, max_new_tokens=args.max_new_tokens)
-        if name == "router, exits off":
-            router.config = configured.replace(active_exit_layers=[])  # heads loaded, never consulted
-            try:
-                return router.generate(ids, max_new_tokens=args.max_new_tokens, mode="exit")
-            finally:
-                router.config = configured
-        return router.generate(ids, max_new_tokens=args.max_new_tokens, mode=name.split()[-1])
+        mode, overrides = variants[name]
+        router.config = configured.replace(**overrides)
+        try:
+            return router.generate(ids, max_new_tokens=args.max_new_tokens, mode=mode)
+        finally:
+            router.config = configured
 
-    arms = ["plain HF generate", "router, exits off", "router exit", "router verify"]
     ids0 = router.encode("Warm up.", chat=True)
     for arm in arms:  # warm-up: first-call allocations stay out of the numbers
         run(arm, ids0)
