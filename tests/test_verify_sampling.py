@@ -1,0 +1,43 @@
+"""Verify mode with sampling: the speculative-sampling rule makes the output distribution the full model's."""
+
+from __future__ import annotations
+
+import torch
+
+from early_exit_router import EarlyExitRouter
+
+from .conftest import ALWAYS_EXIT, VOCAB, prompt, tiny_llama
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
+    return 0.5 * float((p - q).abs().sum())
+
+
+def test_second_token_distribution_matches_the_full_model():
+    model = tiny_llama(0, peaky=20.0)  # peaked laws: 1500 samples resolve them well (expected noise TV ~0.05)
+    temperature = 0.5
+    ids = prompt(0, length=4)
+    n = ids.shape[1]
+    with torch.no_grad():
+        p1 = torch.softmax(model(ids).logits[0, -1].double() / temperature, -1)  # (vocab,) first token, full model
+        # Every possible first token, batched: the full model's and the exit-2 logit lens' second-token laws.
+        both = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)
+        out = model(both, output_hidden_states=True)
+        p2 = torch.softmax(out.logits[:, -1].double() / temperature, -1)  # (vocab, vocab)
+        lens = model.lm_head(model.model.norm(out.hidden_states[3][:, -1]))
+        q2 = torch.softmax(lens.double() / temperature, -1)
+    exact = p1 @ p2  # marginal law of the second token under plain sampling
+    drafted = p1 @ q2  # ... and under the exit head alone, had nothing been verified
+
+    router = EarlyExitRouter.from_model(model, exit_layers=[2], max_pending=10, **ALWAYS_EXIT)
+    runs = 1500
+    counts = torch.zeros(VOCAB, dtype=torch.float64)
+    drafted_tokens = 0
+    for seed in range(runs):
+        out = router.generate(ids, max_new_tokens=2, mode="verify", do_sample=True, temperature=temperature, seed=seed)
+        counts[out.sequences[0, n + 1]] += 1
+        drafted_tokens += out.stats.exited_checked
+    empirical = counts / runs
+    assert drafted_tokens == runs  # every second token was a draft that the final fill verified
+    assert total_variation(drafted, exact) > 0.4  # the test has power: unverified drafts would be far off
+    assert total_variation(empirical, exact) < 0.12, total_variation(empirical, exact)
