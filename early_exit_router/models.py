@@ -76,10 +76,15 @@ def alias_gguf_path(alias: str) -> Path:
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    """Cache folder for one GGUF file, keyed by its path, size and modification time."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / "converted" / f"{gguf_path.stem}-{key}"
+    """Cache folder for one GGUF file, keyed by its content (size, first and last MiB), so that every
+    installation of the same file (another venv, another checkout) shares one conversion."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with gguf_path.open("rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    return cache_root() / "converted" / f"{gguf_path.stem}-{digest.hexdigest()[:16]}"
 
 
 def convert_gguf(gguf_path: Path, hub_name: str | None = None) -> Path:
