@@ -120,6 +120,29 @@ class RouterConfig:
             "report agreement. Costs one LM-head row per exited token; False computes only the last row."
         },
     )
+    ngram_tier: bool = field(
+        default=False,
+        metadata={
+            "help": "Zero-layer tier (prompt lookup): when the last tokens occurred earlier in the context, propose "
+            "the tokens that followed there, running no layer for them. Verified like exits in verify mode; "
+            "lossy like exits in exit mode (histogram key -1)."
+        },
+    )
+    ngram_size: int = field(
+        default=3, metadata={"help": "Longest suffix the n-gram tier matches (it tries down to 2 tokens)."}
+    )
+    ngram_draft: int = field(default=4, metadata={"help": "Most tokens the n-gram tier proposes at once."})
+    monitor_window: int = field(
+        default=32,
+        metadata={"help": "Online monitoring: how many recently checked exited tokens the rolling agreement spans."},
+    )
+    monitor_min_agreement: float = field(
+        default=0.0,
+        metadata={
+            "help": "Warn (once per generate call) when the rolling agreement of exited tokens with the full model "
+            "falls below this (in [0, 1]); 0 turns the warning off. The statistics always carry the minimum seen."
+        },
+    )
     heads_trained: bool = field(
         default=False,
         metadata={
@@ -140,7 +163,13 @@ class RouterConfig:
                 )
         if self.mode not in MODES:
             raise ValueError(f"Unknown mode {self.mode!r}: use one of {', '.join(MODES)}.")
-        for name in ("high_conf_threshold", "low_conf_threshold", "gate_threshold", "window_min_confidence"):
+        for name in (
+            "high_conf_threshold",
+            "low_conf_threshold",
+            "gate_threshold",
+            "window_min_confidence",
+            "monitor_min_agreement",
+        ):
             _check_unit_interval(name, getattr(self, name))
         if self.low_conf_threshold > self.high_conf_threshold:
             raise ValueError(
@@ -151,7 +180,15 @@ class RouterConfig:
             _check_unit_interval("entropy_threshold (normalized)", self.entropy_threshold)
         elif not (self.entropy_threshold >= 0 and math.isfinite(self.entropy_threshold)):
             raise ValueError(f"entropy_threshold must be a finite number of nats >= 0, got {self.entropy_threshold}.")
-        for name, low in (("block_size", 1), ("max_pending", 1), ("confidence_window", 0), ("adapter_rank", 1)):
+        for name, low in (
+            ("block_size", 1),
+            ("max_pending", 1),
+            ("confidence_window", 0),
+            ("adapter_rank", 1),
+            ("monitor_window", 1),
+            ("ngram_size", 2),
+            ("ngram_draft", 1),
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")

@@ -17,10 +17,12 @@ All per-sequence state lives in `SequenceState`, so batching can add one per seq
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 from . import _compat
 from .architecture import LayerStack
@@ -29,6 +31,24 @@ from .heads import ExitHeads
 from .routing import FULL_DEPTH, Router, RoutingState
 from .sampling import TokenSelector
 from .stats import GenerationStats
+
+logger = logging.get_logger(__name__)
+NGRAM_LAYER = -1  # exit-histogram key of the zero-layer n-gram tier
+
+
+def ngram_lookup(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: int = 2) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the longest matching suffix.
+
+    Tries suffixes of `max_ngram` down to `min_ngram` tokens; returns up to `max_draft` tokens, or [].
+    """
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence first, excluding the suffix itself
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + max_draft]
+    return []
 
 
 @dataclass
@@ -53,7 +73,7 @@ class SequenceState:
     prompt_len: int
     seq: torch.Tensor  # (1, capacity) the same tokens on the model's device
     cache: Any
-    buffers: list[torch.Tensor | None]  # per exit: (1, m, hidden) waiting for the next segment
+    buffers: list[torch.Tensor | None]  # per segment: (1, m, hidden) waiting in front of it (0: embeddings)
     routing: RoutingState
     depth: list[int] = field(default_factory=list)  # per new token: layer it left at
     draft_exit: dict[int, int] = field(default_factory=dict)  # position -> exit index of the token it predicted
@@ -68,6 +88,11 @@ class SequenceState:
     forced: int = 0
     rejected: int = 0
     routing_s: float = 0.0
+    recent_matches: deque = field(default_factory=deque)  # rolling verdicts on exited tokens (monitoring)
+    min_rolling_agreement: float = 1.0
+    monitor_warned: bool = False
+    verify_passes: int = 0  # verify mode: deep passes that checked at least one draft
+    accepted: int = 0  # verify mode: drafts accepted
 
     @property
     def new_tokens(self) -> int:
@@ -91,6 +116,10 @@ class Engine:
         # segment s runs layers [starts[s], starts[s + 1])
         self.starts = [0] + [e + 1 for e in self.exits] + [stack.num_layers]
         self.full_layer = stack.num_layers - 1
+
+    def tier_layer(self, tier: int) -> int:
+        """The histogram key of a draft tier: its exit layer, or NGRAM_LAYER for the n-gram tier."""
+        return self.exits[tier] if tier < len(self.exits) else NGRAM_LAYER
 
     # ----------------------------------------------------------------------------------------------- entry point
     @torch.no_grad()  # not inference_mode: returned tensors must stay usable with autograd
@@ -127,10 +156,11 @@ class Engine:
             prompt_len=n,
             seq=seq,
             cache=stack.new_cache(),
-            buffers=[None] * len(self.exits),
+            buffers=[None] * (len(self.exits) + 1),
             routing=self.router.new_state(),
-            checked_by_exit=[0] * len(self.exits),
-            agreed_by_exit=[0] * len(self.exits),
+            recent_matches=deque(maxlen=self.config.monitor_window),
+            checked_by_exit=[0] * (len(self.exits) + 1),  # one slot per exit, then the n-gram tier
+            agreed_by_exit=[0] * (len(self.exits) + 1),
         )
         if request.mode == "verify":
             _compat.prepare_for_rollback(state.cache)
@@ -149,33 +179,61 @@ class Engine:
         """Feed the last token; it leaves at an exit or runs the full depth (filling the waiting KV on the way)."""
         stack, router = self.stack, self.router
         q = len(state.tokens) - 1
-        positions = torch.arange(q, q + 1, device=stack.device).unsqueeze(0)
-        hidden = stack.run(stack.embed(state.seq[:, q : q + 1]), 0, self.starts[1], state.cache, positions)
-        chunk_start = q
-
         forced = router.forced_deep(state.routing, state.pending)
+        if not forced and self.config.ngram_tier and self._propose_ngram(state, request):
+            return
         if forced:
             router.end_block(state.routing)
             state.forced += 1
         target = None if forced else router.block_target(state.routing)
 
-        for i, layer in enumerate(self.exits):
-            if not forced and target in (None, i):
-                exited = self._try_exit(state, i, layer, hidden, chunk_start, q, target, request, selector)
-                if exited:
-                    return
-            # Deeper: the waiting positions of this exit join the chunk (layer-wise KV fill).
+        hidden = stack.embed(state.seq[:, q : q + 1])  # (1, 1, hidden)
+        chunk_start = q
+        for i in range(len(self.exits) + 1):
+            # Positions waiting in front of segment i join the chunk: the layer-wise KV fill.
             waiting = state.buffers[i]
             if waiting is not None:
                 chunk_start -= waiting.shape[1]
                 hidden = torch.cat([waiting, hidden], dim=1)  # (1, m, hidden), positions chunk_start..q
                 state.buffers[i] = None
             positions = torch.arange(chunk_start, q + 1, device=stack.device).unsqueeze(0)
-            hidden = stack.run(hidden, self.starts[i + 1], self.starts[i + 2], state.cache, positions)
+            hidden = stack.run(hidden, self.starts[i], self.starts[i + 1], state.cache, positions)
+            if i < len(self.exits) and not forced and target in (None, i):
+                if self._try_exit(state, i, self.exits[i], hidden, q, target, request, selector):
+                    return
 
         if target is None and not forced:
             router.start_block(state.routing, FULL_DEPTH)
         self._finish_deep(state, hidden, chunk_start, True, request, selector)
+
+    def _propose_ngram(self, state: SequenceState, request: DecodeRequest) -> bool:
+        """Zero-layer tier: if the last tokens occurred before, emit what followed them there as drafts.
+
+        The proposed tokens run no layer now; their positions wait in front of segment 0 (`buffers[0]`, as
+        embeddings) and are filled with the next token, like any exited token.
+        """
+        cfg = self.config
+        budget = min(cfg.ngram_draft, cfg.max_pending - state.pending, request.max_new_tokens - state.new_tokens)
+        proposal = ngram_lookup(state.tokens, cfg.ngram_size, budget) if budget > 0 else []
+        if not proposal:
+            return False
+        eos = next((k for k, t in enumerate(proposal) if t in request.eos_token_ids), None)
+        proposal = proposal[: eos + 1] if eos is not None else proposal
+        q = len(state.tokens) - 1
+        tier = len(self.exits)  # the n-gram tier's index after the exits
+        vocab = self.stack.vocab_size
+        for k, token_id in enumerate(proposal):
+            state.draft_exit[q + k] = tier
+            point_mass = torch.full((1, vocab), float("-inf"), device=self.stack.device)
+            point_mass[0, token_id] = 0.0  # the tier's "logits": all mass on the copied token
+            if request.mode == "verify":
+                state.draft_probs[q + k] = point_mass[0].exp()
+            token = torch.tensor([token_id], device=self.stack.device)
+            self._append(state, token, token_id, NGRAM_LAYER, point_mass, request)
+        embedded = self.stack.embed(state.seq[:, q : q + len(proposal)])  # (1, m, hidden): positions q..q+m-1
+        waiting = state.buffers[0]
+        state.buffers[0] = embedded if waiting is None else torch.cat([waiting, embedded], dim=1)
+        return True
 
     def _try_exit(
         self,
@@ -183,13 +241,12 @@ class Engine:
         i: int,
         layer: int,
         hidden: torch.Tensor,
-        chunk_start: int,
         q: int,
         target: int | None,
         request: DecodeRequest,
         selector: TokenSelector,
     ) -> bool:
-        """Ask exit `i` about position `q`; on exit, emit its token and park the chunk in `buffers[i]`."""
+        """Ask exit `i` about position `q`; on exit, emit its token and park the chunk in `buffers[i + 1]`."""
         router = self.router
         last = hidden[:, -1]  # (1, hidden): the current token at this exit
         gate = self.heads.gate(layer) if self.config.use_gate else None
@@ -215,8 +272,8 @@ class Engine:
             router.record_exit(state.routing, conf)
         else:
             token_id = token.item()
-        waiting = state.buffers[i]
-        state.buffers[i] = hidden if waiting is None else torch.cat([waiting, hidden], dim=1)
+        waiting = state.buffers[i + 1]
+        state.buffers[i + 1] = hidden if waiting is None else torch.cat([waiting, hidden], dim=1)
         state.draft_exit[q] = i
         if request.mode == "verify" and selector.params.do_sample:
             state.draft_probs[q] = torch.softmax(selector.scores(state.seq[:, : q + 1], logits), dim=-1)[0]
@@ -230,7 +287,7 @@ class Engine:
         end = len(state.tokens) - 1  # fed positions are 0..end-1; the waiting ones end the range
         chunk_start = end
         hidden: torch.Tensor | None = None
-        for i in range(len(self.exits)):
+        for i in range(len(self.exits) + 1):
             waiting = state.buffers[i]
             if waiting is not None:
                 chunk_start -= waiting.shape[1]
@@ -238,7 +295,7 @@ class Engine:
                 state.buffers[i] = None
             if hidden is not None:
                 positions = torch.arange(chunk_start, end, device=stack.device).unsqueeze(0)
-                hidden = stack.run(hidden, self.starts[i + 1], self.starts[i + 2], state.cache, positions)
+                hidden = stack.run(hidden, self.starts[i], self.starts[i + 1], state.cache, positions)
         assert hidden is not None and chunk_start == state.deep_len
         return self._finish_deep(state, hidden, chunk_start, False, request, selector)
 
@@ -317,6 +374,9 @@ class Engine:
                 ok = []
         accepted = next((j for j, good in enumerate(ok) if not good), n_drafts)
         self._count_agreement(state, chunk_start, ok[: accepted + 1])
+        if n_drafts:
+            state.verify_passes += 1
+            state.accepted += accepted
         if request.output_logits:
             for j in range(accepted):
                 state.logits[chunk_start + j + 1 - state.prompt_len] = logits[j : j + 1].float().clone()
@@ -357,13 +417,30 @@ class Engine:
         del state.depth[new_keep:]
         del state.logits[new_keep:]
         state.deep_len = keep
-        state.buffers = [None] * len(self.exits)
+        state.buffers = [None] * (len(self.exits) + 1)
 
     def _count_agreement(self, state: SequenceState, first_pos: int, matches: list[bool]) -> None:
+        """Book the deep pass's verdict on exited tokens: per-exit counts and the rolling monitor."""
         for offset, ok in enumerate(matches):
             i = state.draft_exit[first_pos + offset]
             state.checked_by_exit[i] += 1
             state.agreed_by_exit[i] += int(ok)
+            state.recent_matches.append(bool(ok))
+        window = self.config.monitor_window
+        if len(state.recent_matches) < window:
+            return
+        rolling = sum(state.recent_matches) / window
+        state.min_rolling_agreement = min(state.min_rolling_agreement, rolling)
+        bound = self.config.monitor_min_agreement
+        if rolling < bound and not state.monitor_warned:
+            state.monitor_warned = True
+            logger.warning(
+                "early-exit monitor: agreement of the last %d exited tokens with the full model is %.2f, below %.2f. "
+                "The router is too aggressive for this text: raise the thresholds or use mode='verify'.",
+                window,
+                rolling,
+                bound,
+            )
 
     # ---------------------------------------------------------------------------------------- emission, stop
     def _append(
@@ -428,13 +505,16 @@ class Engine:
             hit_rate=exited / new if new else 0.0,
             agreement=sum(state.agreed_by_exit) / checked if checked else None,
             agreement_by_layer={
-                self.exits[i]: state.agreed_by_exit[i] / c for i, c in enumerate(state.checked_by_exit) if c
+                self.tier_layer(i): state.agreed_by_exit[i] / c for i, c in enumerate(state.checked_by_exit) if c
             },
             exited_checked=checked,
             deep_passes=state.deep_passes,
             mean_fill_chunk=state.fill_positions / state.deep_passes if state.deep_passes else 0.0,
             forced_deep=state.forced,
             rejected_drafts=state.rejected,
+            mean_accepted_length=state.accepted / state.verify_passes if state.verify_passes else 0.0,
+            min_rolling_agreement=state.min_rolling_agreement if checked >= self.config.monitor_window else None,
+            monitor_warned=state.monitor_warned,
             wall_time_s=wall,
             prefill_s=prefill_s,
             tokens_per_s=new / wall if wall > 0 else 0.0,

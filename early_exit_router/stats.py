@@ -14,7 +14,7 @@ class GenerationStats:
     """
 
     new_tokens: int = 0
-    exit_histogram: dict[int, int] = field(default_factory=dict)  # layer -> tokens emitted there
+    exit_histogram: dict[int, int] = field(default_factory=dict)  # layer -> tokens emitted there (-1: n-gram tier)
     hit_rate: float = 0.0  # share of new tokens emitted from a shallow exit
     agreement: float | None = None  # share of exited tokens whose deep prediction is the same token (None: none)
     agreement_by_layer: dict[int, float] = field(default_factory=dict)
@@ -23,6 +23,9 @@ class GenerationStats:
     mean_fill_chunk: float = 0.0  # mean positions per deep pass (1 = no exited token waited)
     forced_deep: int = 0  # deep passes forced by the window rules
     rejected_drafts: int = 0  # verify mode: exited tokens the deep pass replaced
+    mean_accepted_length: float = 0.0  # verify mode: accepted drafts per verifying deep pass
+    min_rolling_agreement: float | None = None  # lowest agreement over `monitor_window` consecutive checks
+    monitor_warned: bool = False  # the monitor's agreement bound was crossed
     wall_time_s: float = 0.0
     prefill_s: float = 0.0
     tokens_per_s: float = 0.0  # new_tokens / wall_time_s
@@ -40,9 +43,9 @@ class GenerationStats:
 
     def summary(self) -> str:
         """A few human-readable lines."""
+        names = {self.num_layers - 1: "full", -1: "ngram"}
         hist = ", ".join(
-            f"{'full' if layer == self.num_layers - 1 else f'L{layer}'}: {count}"
-            for layer, count in sorted(self.exit_histogram.items())
+            f"{names.get(layer, f'L{layer}')}: {count}" for layer, count in sorted(self.exit_histogram.items())
         )
         agreement = "n/a (nothing exited)" if self.agreement is None else f"{self.agreement:.3f}"
         return "\n".join(
@@ -52,7 +55,11 @@ class GenerationStats:
                 f"prefill {self.prefill_s * 1000:.0f} ms)",
                 f"exit histogram: {hist}",
                 f"hit rate {self.hit_rate:.3f}; agreement {agreement} over {self.exited_checked} exited tokens"
-                + (f"; rejected drafts {self.rejected_drafts}" if self.mode == "verify" else ""),
+                + (
+                    f"; rejected drafts {self.rejected_drafts}, mean accepted length {self.mean_accepted_length:.2f}"
+                    if self.mode == "verify"
+                    else ""
+                ),
                 f"deep passes {self.deep_passes} (mean fill chunk {self.mean_fill_chunk:.2f}, "
                 f"forced {self.forced_deep}); routing overhead {self.routing_overhead:.1%}",
             ]

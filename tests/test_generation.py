@@ -276,3 +276,68 @@ def test_a_config_for_other_exit_layers_is_refused_at_generate():
     router.config = RouterConfig(exit_layers=[2])
     with pytest.raises(ValueError, match="differ from the loaded heads"):
         router.generate(prompt(0), max_new_tokens=3)
+
+
+def test_monitor_warns_once_when_rolling_agreement_drops(caplog):
+    import logging
+
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(
+        model, exit_layers=[1], monitor_window=4, monitor_min_agreement=0.99, **ALWAYS_EXIT
+    )
+    with caplog.at_level(logging.WARNING):
+        out = router.generate(prompt(0), max_new_tokens=30)
+    assert out.stats.agreement < 0.99 and out.stats.monitor_warned
+    assert out.stats.min_rolling_agreement is not None and out.stats.min_rolling_agreement < 0.99
+    assert sum("early-exit monitor" in r.getMessage() for r in caplog.records) == 1
+    router.config = router.config.replace(monitor_min_agreement=0.0)
+    assert not router.generate(prompt(0), max_new_tokens=30).stats.monitor_warned
+
+
+def test_verify_mode_reports_accepted_draft_lengths():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    s = router.generate(prompt(0), max_new_tokens=40, mode="verify").stats
+    assert s.exited_checked > 0
+    accepted = round(s.agreement * s.exited_checked)
+    assert s.mean_accepted_length > 0 and accepted == s.exited_checked - s.rejected_drafts
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_match():
+    from early_exit_router.engine import ngram_lookup
+
+    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, 2) == [7, 5]  # latest occurrence wins
+    assert ngram_lookup([4, 5, 6, 4, 5], 3, 4) == [6, 4, 5]  # falls back to a 2-token suffix
+    assert ngram_lookup([1, 2, 3, 4], 3, 4) == []
+    assert ngram_lookup([7, 7], 3, 4) == []  # the suffix itself never counts as an earlier occurrence
+
+
+def repetitive_prompt(repeats: int = 4) -> torch.Tensor:
+    pattern = prompt(5, length=5)
+    return pattern.repeat(1, repeats)
+
+
+@pytest.mark.parametrize("trial", range(5))
+def test_verify_mode_with_the_ngram_tier_is_greedy_identical(trial):
+    rng = random.Random(200 + trial)
+    model = tiny_llama(trial % 3)
+    ids = repetitive_prompt(rng.randint(2, 4))
+    n = rng.randint(5, 30)
+    ref = model.generate(ids, max_new_tokens=n, do_sample=False)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], ngram_tier=True, **random_thresholds(rng))
+    out = router.generate(ids, max_new_tokens=n, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_ngram_tier_proposes_on_repetitive_text_and_fills_the_cache_in_exit_mode():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], ngram_tier=True, max_pending=6, **NEVER_EXIT)
+    out = router.generate(repetitive_prompt(), max_new_tokens=30, mode="exit")
+    assert out.stats.exit_histogram.get(-1, 0) > 0, out.stats.exit_histogram  # its own histogram row
+    assert -1 in out.stats.agreement_by_layer
+    assert "ngram" in out.stats.summary()
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+    verified = router.generate(repetitive_prompt(), max_new_tokens=30, mode="verify")
+    assert torch.equal(verified.sequences, model.generate(repetitive_prompt(), max_new_tokens=30, do_sample=False))
+    assert verified.stats.exit_histogram.get(-1, 0) > 0  # accepted copies count for the tier
