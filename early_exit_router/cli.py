@@ -10,7 +10,7 @@ import time
 import warnings
 from typing import Any
 
-from .config import RouterConfig
+from .config import ADAPTER_KINDS, MODES, RouterConfig
 from .models import DEFAULT_MODEL
 
 DEFAULT_PROMPT = "List the seven days of the week as a numbered list, one per line, nothing else."
@@ -22,12 +22,12 @@ def _add_router_options(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(RouterConfig):
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{f.metadata['help']} (built-in default: {f.default!r})"
-        if f.name == "exit_layers":
+        if f.name in ("exit_layers", "active_exit_layers"):
             group.add_argument(flag, type=_int_list, default=None, metavar="E1,E2", help=help_text)
         elif f.type in ("bool", bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif f.name == "mode":
-            group.add_argument(flag, choices=["exit", "verify"], default=None, help=help_text)
+        elif f.name in ("mode", "adapter"):
+            group.add_argument(flag, choices=MODES if f.name == "mode" else ADAPTER_KINDS, default=None, help=help_text)
         else:
             kind = int if isinstance(f.default, int) and not isinstance(f.default, bool) else float
             kind = str if isinstance(f.default, str) else kind

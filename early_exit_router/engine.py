@@ -4,12 +4,13 @@ Layers are split into segments at the exit points: with exits `e_0 < e_1 < ...`,
 segment `i + 1` is layers `e_i + 1 .. e_{i+1}`, and the last segment ends at the last layer. Every layer of a
 segment always holds the same positions in the cache.
 
-A token that exits at exit `i` leaves its hidden state (the output of segment `i`) in `buffers[i]`. The positions
-in `buffers[i]` are exactly those segment `i` has seen and segment `i + 1` has not, so they are consecutive. When a
-later token goes deeper than exit `i`, it is appended to `buffers[i]` and the whole chunk runs segment `i + 1` in
-one batched pass: that is the layer-wise KV fill. After the last segment, the chunk's final-layer logits are the
-full model's predictions for every waiting position: `exit` mode compares them with the emitted tokens
-(agreement), `verify` mode accepts the longest matching prefix and crops every layer's cache after it.
+A token that exits at exit `i` leaves its hidden state (the output of segment `i`) in `buffers[i + 1]`, in front
+of segment `i + 1`. The positions in `buffers[s]` are exactly those segment `s - 1` has seen and segment `s` has
+not, so they are consecutive; `buffers[0]` holds embeddings of positions the zero-layer n-gram tier skipped. When
+a later token reaches segment `s`, the waiting positions join it and the whole chunk runs segment `s` in one
+batched pass: that is the layer-wise KV fill. After the last segment, the chunk's final-layer logits are the full
+model's predictions for every waiting position: `exit` mode compares them with the emitted tokens (agreement),
+`verify` mode accepts the longest matching prefix and crops every layer's cache after it.
 
 All per-sequence state lives in `SequenceState`, so batching can add one per sequence.
 """

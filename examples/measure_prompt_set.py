@@ -4,7 +4,7 @@
 
 For every prompt, in interleaved order: plain HF `generate` (greedy), the router with exits switched off (the
 engine's own cost), the router in `exit` mode (with and without its learned gates) and in `verify` mode at the
-configured thresholds. Prints a markdown
+configured thresholds, and both modes again with the zero-layer n-gram tier. Prints a markdown
 table per category: tokens/s and the ratio to plain HF measured in the same run, hit rate, agreement, and whether
 the output is token-identical to plain HF. Speed numbers depend on the machine; ratios are the thing to compare.
 """
@@ -47,6 +47,8 @@ def main() -> None:
         "router exit": ("exit", {}),
         "router exit, gates off": ("exit", dict(use_gate=False)),
         "router verify": ("verify", {}),
+        "router exit + n-gram tier": ("exit", dict(ngram_tier=True)),
+        "router verify + n-gram tier": ("verify", dict(ngram_tier=True)),
     }
     arms = list(variants)
 

@@ -89,6 +89,11 @@ def test_cli_generate_prints_text_and_statistics(capsys):
     report = json.loads(out[out.index("{") :])
     assert report["stats"]["new_tokens"] <= 6
     assert report["compare"]["identical"] is True
+    # List options parse as layer lists; an empty list turns routing off.
+    args = ["generate", "Say hi.", "--max-new-tokens", "4", "--json", "--active-exit-layers", "", "--ngram-tier"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{") :])["stats"]["exit_histogram"] in ({"29": 4}, {29: 4})
 
 
 def test_cli_reports_bad_options_clearly(capsys):
