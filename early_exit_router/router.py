@@ -90,8 +90,8 @@ class EarlyExitRouter:
         spec = spec_for(model)
         stack = LayerStack(model, spec)
         exit_layers = config.resolved_exit_layers(stack.num_layers)
-        if config.exit_layers is None:
-            config = config.replace(exit_layers=exit_layers)
+        # Fresh heads are the logit lens, whatever a reused config says.
+        config = config.replace(exit_layers=exit_layers, heads_trained=False)
         heads = ExitHeads(exit_layers, stack.hidden_size, config.adapter, config.adapter_rank)
         heads.to(device=stack.device, dtype=stack.dtype).eval()
         name = name_or_path or getattr(model.config, "_name_or_path", "") or type(model).__name__

@@ -32,5 +32,6 @@ print(out.stats.summary())
 with tempfile.TemporaryDirectory() as folder:
     router.save_pretrained(folder)  # early_exit_config.json + early_exit_heads.safetensors
     model = router.unpatch()  # the original model object, untouched
-    reloaded = EarlyExitRouter.from_model(model, router.tokenizer, config=router.config)
-    print("reloaded exits:", reloaded.exit_layers)
+    reloaded = EarlyExitRouter.from_pretrained(folder)  # loads its base model again, checks it matches
+    again = reloaded.generate(input_ids, max_new_tokens=48, mode="exit")
+    print("reloaded router gives the same tokens:", torch.equal(again.sequences, out.sequences))

@@ -161,3 +161,8 @@ def test_a_custom_gate_runs_before_the_head_and_can_veto_every_exit(model):
     assert router.generate(prompt(0), max_new_tokens=10).stats.hit_rate > 0
     with pytest.raises(ValueError, match="has no exit head"):
         router.set_gate(2, Never())
+
+
+def test_fresh_heads_are_never_marked_trained(model):
+    router = EarlyExitRouter.from_model(model, config=RouterConfig(exit_layers=[1], heads_trained=True))
+    assert router.config.heads_trained is False
