@@ -10,7 +10,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from early_exit_router import EarlyExitRouter
 
-from .conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, assert_cache_matches_full_forward, prompt, tiny_llama
+from .conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, VOCAB, assert_cache_matches_full_forward, prompt, tiny_llama
 
 
 def hf_greedy(model, ids, n, **kwargs):
@@ -341,3 +341,53 @@ def test_ngram_tier_proposes_on_repetitive_text_and_fills_the_cache_in_exit_mode
     verified = router.generate(repetitive_prompt(), max_new_tokens=30, mode="verify")
     assert torch.equal(verified.sequences, model.generate(repetitive_prompt(), max_new_tokens=30, do_sample=False))
     assert verified.stats.exit_histogram.get(-1, 0) > 0  # accepted copies count for the tier
+
+
+class ConstantHidden(torch.nn.Module):
+    """An adapter whose output ignores its input: the head then always proposes the same token."""
+
+    def __init__(self, vector: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("vector", vector)
+
+    def forward(self, hidden):
+        return self.vector.expand_as(hidden)
+
+
+def test_verify_with_heads_that_are_always_right_accepts_every_draft():
+    model = tiny_llama(0)
+    with torch.no_grad():  # layers 3..5 become identity maps, so the exit-2 lens IS the full model
+        for layer in model.model.layers[3:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    ids = prompt(0)
+    ref = model.generate(ids, max_new_tokens=30, do_sample=False)
+    router = EarlyExitRouter.from_model(model, exit_layers=[2], max_pending=5, **ALWAYS_EXIT)
+    out = router.generate(ids, max_new_tokens=30, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.rejected_drafts == 0 and out.stats.agreement == 1.0
+    assert out.stats.exit_histogram == {2: 25, 5: 5}  # the first token, then every 6th forced deep
+    assert out.stats.mean_accepted_length == 5.0  # max_pending drafts per verifying pass
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_verify_with_heads_that_are_never_right_rejects_every_draft():
+    model = tiny_llama(0)
+    ids = prompt(0)
+    ref = model.generate(ids, max_new_tokens=30, do_sample=False)
+    unused = sorted(set(range(VOCAB)) - set(ref[0].tolist()))
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter="identity", **ALWAYS_EXIT)
+    with torch.no_grad():
+        for token in unused:  # a constant hidden state whose head proposes a token the model never emits here
+            vector = model.lm_head.weight[token].clone()
+            if int(model.lm_head(model.model.norm(vector)).argmax()) == token:
+                break
+        else:
+            pytest.fail("no constant head found")
+    for layer in (1, 3):
+        router.heads.adapters[str(layer)] = ConstantHidden(vector)
+    out = router.generate(ids, max_new_tokens=30, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.exited_checked > 0 and out.stats.rejected_drafts == out.stats.exited_checked
+    assert out.stats.agreement == 0.0 and out.stats.hit_rate == 0.0
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
