@@ -22,7 +22,7 @@ from torch import nn
 
 from . import _compat
 
-POSITION_STYLES = ("rotary_shared",)
+POSITION_STYLES = ("rotary_shared", "rotary_per_layer_type")
 MASK_RULES = ("full", "layer_types", "sliding_window_config")
 
 
@@ -163,23 +163,32 @@ class LayerStack:
         """
         if start >= stop:
             return hidden
-        position_embeddings = self.rotary_emb(hidden, positions) if self.rotary_emb is not None else None
         masks: dict[str, Any] = {}
+        rotary: dict[str, Any] = {}
         for layer_idx in range(start, stop):
             kind = self.mask_kinds[layer_idx]
             if kind not in masks:
                 # Sized against this layer's cache: deep layers may hold fewer positions than shallow ones.
                 masks[kind] = _compat.build_mask(kind, self.config, hidden, cache, positions, layer_idx)
+                rotary[kind] = self._position_embeddings(hidden, positions, kind)
             output = self.layers[layer_idx](
                 hidden,
                 attention_mask=masks[kind],
                 position_ids=positions,
-                position_embeddings=position_embeddings,
+                position_embeddings=rotary[kind],
                 use_cache=True,
                 **{self._cache_kwarg: cache},
             )
             hidden = _compat.layer_output_hidden(output)
         return hidden
+
+    def _position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor, kind: str) -> Any:
+        """Rotary (cos, sin) for these positions: one table for all layers, or one per layer type (Gemma3)."""
+        if self.rotary_emb is None:
+            return None
+        if self.spec.position_style == "rotary_per_layer_type":
+            return self.rotary_emb(hidden, positions, kind)
+        return self.rotary_emb(hidden, positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (+ soft-capping where configured): (1, q, hidden) -> (1, q, vocab)."""

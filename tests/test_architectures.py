@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -43,6 +44,10 @@ FAMILIES = {
     "qwen2-sliding": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=3),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=8),
     "phi3": lambda: Phi3Config(**COMMON, pad_token_id=0, sliding_window=None),
+    # Sliding and global layers (every 3rd global), two rotary tables, soft-capped logits.
+    "gemma3_text": lambda: Gemma3TextConfig(
+        **COMMON, head_dim=8, sliding_window=5, sliding_window_pattern=3, final_logit_softcapping=30.0
+    ),
 }
 
 
