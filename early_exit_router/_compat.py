@@ -54,10 +54,6 @@ def new_cache(config: Any) -> DynamicCache:
     return DynamicCache(config=config)
 
 
-def cache_layer_length(cache: DynamicCache, layer_idx: int) -> int:
-    return cache.get_seq_length(layer_idx)
-
-
 def prepare_for_rollback(cache: DynamicCache) -> None:
     """Let sliding-window layers keep evicted states until `trim_sliding` (verify mode may roll back into them)."""
     for layer in cache.layers:

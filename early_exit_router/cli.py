@@ -8,6 +8,7 @@ import json
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 from .config import ADAPTER_KINDS, MODES, RouterConfig
@@ -225,8 +226,6 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     result["corpus"] = manifest
     result["wall_seconds"] = round(time.perf_counter() - start, 1)
     router.save_pretrained(args.out)
-    from pathlib import Path
-
     (Path(args.out) / "training_report.json").write_text(json.dumps(result, indent=2) + "\n")
     from .head_report import ExitQuality, format_table
 
@@ -238,9 +237,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_heads(args: argparse.Namespace) -> int:
-    from importlib import resources
-
-    from .corpus import held_out_texts, self_generated
+    from .corpus import DEV_PROMPTS, held_out_texts, load_prompts, self_generated
     from .head_report import as_dicts, exit_signals, format_table, quality_table
     from .router import EarlyExitRouter
     from .training import build_cache
@@ -250,12 +247,7 @@ def cmd_eval_heads(args: argparse.Namespace) -> int:
     tok = router.tokenizer
     if tok is None:
         raise ValueError("eval-heads needs the model's tokenizer.")
-    prompts_text = (
-        open(args.prompts).read()
-        if args.prompts
-        else (resources.files("early_exit_router.data") / "dev_prompts.jsonl").read_text()
-    )
-    prompts = [json.loads(line) for line in prompts_text.splitlines() if line.strip()]
+    prompts = load_prompts(args.prompts, shipped=DEV_PROMPTS)
     with router.disabled() as model:
         sources = {"development prompts (model answers)": self_generated(model, tok, prompts, args.answer_tokens)}
     for name, text in held_out_texts().items():

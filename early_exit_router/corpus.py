@@ -30,13 +30,13 @@ LICENSE_MARKERS = (
 COMMON_LICENSES = Path("/usr/share/common-licenses")
 
 
-def training_prompts(path: str | Path | None = None) -> list[dict[str, Any]]:
-    """Prompts for self-generated training text: `path` (JSONL) or the set shipped with the package."""
-    text = (
-        Path(path).read_text()
-        if path
-        else (resources.files("early_exit_router.data") / "train_prompts.jsonl").read_text()
-    )
+TRAIN_PROMPTS = "train_prompts.jsonl"  # self-distillation prompts
+DEV_PROMPTS = "dev_prompts.jsonl"  # development set: measured on, never trained on
+
+
+def load_prompts(path: str | Path | None = None, shipped: str = TRAIN_PROMPTS) -> list[dict[str, Any]]:
+    """Prompt records (id, category, kind, prompt) from a JSONL file at `path`, or the set shipped as `shipped`."""
+    text = Path(path).read_text() if path else (resources.files("early_exit_router.data") / shipped).read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

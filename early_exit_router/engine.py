@@ -188,17 +188,10 @@ class Engine:
             state.forced += 1
         target = None if forced else router.block_target(state.routing)
 
-        hidden = stack.embed(state.seq[:, q : q + 1])  # (1, 1, hidden)
+        hidden: torch.Tensor | None = stack.embed(state.seq[:, q : q + 1])  # (1, 1, hidden)
         chunk_start = q
         for i in range(len(self.exits) + 1):
-            # Positions waiting in front of segment i join the chunk: the layer-wise KV fill.
-            waiting = state.buffers[i]
-            if waiting is not None:
-                chunk_start -= waiting.shape[1]
-                hidden = torch.cat([waiting, hidden], dim=1)  # (1, m, hidden), positions chunk_start..q
-                state.buffers[i] = None
-            positions = torch.arange(chunk_start, q + 1, device=stack.device).unsqueeze(0)
-            hidden = stack.run(hidden, self.starts[i], self.starts[i + 1], state.cache, positions)
+            hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, q + 1)
             if i < len(self.exits) and not forced and target in (None, i):
                 if self._try_exit(state, i, self.exits[i], hidden, q, target, request, selector):
                     return
@@ -206,6 +199,24 @@ class Engine:
         if target is None and not forced:
             router.start_block(state.routing, FULL_DEPTH)
         self._finish_deep(state, hidden, chunk_start, True, request, selector)
+
+    def _fill_segment(
+        self, state: SequenceState, i: int, hidden: torch.Tensor | None, chunk_start: int, end: int
+    ) -> tuple[torch.Tensor | None, int]:
+        """Run segment `i` over the chunk, after the positions waiting in front of it: the layer-wise KV fill.
+
+        `hidden` covers positions chunk_start..end-1 (or is None when nothing arrives from below); the waiting
+        positions come just before them. Returns the segment's output and the chunk's new first position.
+        """
+        waiting = state.buffers[i]
+        if waiting is not None:
+            chunk_start -= waiting.shape[1]
+            hidden = waiting if hidden is None else torch.cat([waiting, hidden], dim=1)  # (1, m, hidden)
+            state.buffers[i] = None
+        if hidden is None:
+            return None, chunk_start
+        positions = torch.arange(chunk_start, end, device=self.stack.device).unsqueeze(0)
+        return self.stack.run(hidden, self.starts[i], self.starts[i + 1], state.cache, positions), chunk_start
 
     def _propose_ngram(self, state: SequenceState, request: DecodeRequest) -> bool:
         """Zero-layer tier: if the last tokens occurred before, emit what followed them there as drafts.
@@ -284,19 +295,11 @@ class Engine:
     # --------------------------------------------------------------------------------------------- deep passes
     def _flush(self, state: SequenceState, request: DecodeRequest, selector: TokenSelector) -> bool:
         """Run every waiting position through the rest of the model, with no new token. Returns `rejected`."""
-        stack = self.stack
         end = len(state.tokens) - 1  # fed positions are 0..end-1; the waiting ones end the range
         chunk_start = end
         hidden: torch.Tensor | None = None
         for i in range(len(self.exits) + 1):
-            waiting = state.buffers[i]
-            if waiting is not None:
-                chunk_start -= waiting.shape[1]
-                hidden = waiting if hidden is None else torch.cat([waiting, hidden], dim=1)
-                state.buffers[i] = None
-            if hidden is not None:
-                positions = torch.arange(chunk_start, end, device=stack.device).unsqueeze(0)
-                hidden = stack.run(hidden, self.starts[i], self.starts[i + 1], state.cache, positions)
+            hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, end)
         assert hidden is not None and chunk_start == state.deep_len
         return self._finish_deep(state, hidden, chunk_start, False, request, selector)
 
@@ -315,20 +318,23 @@ class Engine:
         (when `has_current`) predicted an exited token. Returns True when verify mode rejected a draft.
         """
         m = hidden.shape[1]
-        check_all = request.mode == "verify" or self.config.check_agreement
-        # (m, vocab), or only the last row when exited tokens need no check
-        logits = self.stack.logits(hidden if check_all else hidden[:, -1:])[0]
         n_drafts = m - 1 if has_current else m
         state.deep_passes += 1
         state.fill_positions += m
         state.deep_len = chunk_start + m
         drafts = state.seq[0, chunk_start + 1 : chunk_start + 1 + n_drafts]  # (n_drafts,) exited tokens
         if request.mode == "verify":
-            return self._verify(state, logits, chunk_start, n_drafts, has_current, request, selector)
-        if not check_all:
-            n_drafts, drafts = 0, drafts[:0]
+            logits = self.stack.logits(hidden)[0]  # (m, vocab)
+            return self._verify(state, logits, chunk_start, drafts, has_current, request, selector)
+        if not self.config.check_agreement:  # exited tokens are final and unchecked: only the new token's row
+            drafts = drafts[:0]
+            hidden = hidden[:, -1:] if has_current else hidden[:, :0]
+            if hidden.shape[1] == 0:
+                state.draft_exit.clear()
+                return False
 
-        matches = (logits[:n_drafts].argmax(dim=-1) == drafts).long()
+        logits = self.stack.logits(hidden)[0]  # (checked drafts + current, vocab)
+        matches = (logits[: drafts.shape[0]].argmax(dim=-1) == drafts).long()
         if has_current:
             row = logits[-1:]
             token = selector.choose(state.seq[:, : chunk_start + m], row)
@@ -345,7 +351,7 @@ class Engine:
         state: SequenceState,
         logits: torch.Tensor,
         chunk_start: int,
-        n_drafts: int,
+        drafts: torch.Tensor,
         has_current: bool,
         request: DecodeRequest,
         selector: TokenSelector,
@@ -359,7 +365,7 @@ class Engine:
         m = logits.shape[0]
         # (m, vocab): the scores each position's next token is chosen from (processors see the right prefix)
         scores = torch.cat([selector.scores(state.seq[:, : chunk_start + j + 1], logits[j : j + 1]) for j in range(m)])
-        drafts = state.seq[0, chunk_start + 1 : chunk_start + 1 + n_drafts]  # (n_drafts,)
+        n_drafts = drafts.shape[0]
         if not selector.params.do_sample:
             deep_tokens = scores.argmax(dim=-1)  # (m,)
             ok = (deep_tokens[:n_drafts] == drafts).tolist()  # one host sync for the whole chunk

@@ -242,7 +242,7 @@ def corpus_sequences(
     progress: bool = True,
 ) -> tuple[list[list[int]], dict[str, Any]]:
     """Token sequences to train on (the model's own answers, repeated, then package READMEs) and their manifest."""
-    from .corpus import package_descriptions, self_generated, training_prompts
+    from .corpus import load_prompts, package_descriptions, self_generated
 
     tokenizer = router.tokenizer
     if tokenizer is None:
@@ -250,7 +250,7 @@ def corpus_sequences(
     sequences: list[list[int]] = []
     manifest: dict[str, Any] = {}
     if self_gen_tokens > 0:
-        prompts = training_prompts(prompts_path)
+        prompts = load_prompts(prompts_path)
         start = time.perf_counter()
         with router.disabled() as model:
             answers = self_generated(model, tokenizer, prompts, self_gen_tokens)

@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import warnings
-from importlib import resources
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.corpus import held_out_texts, self_generated
+from early_exit_router.corpus import DEV_PROMPTS, held_out_texts, load_prompts, self_generated
 from early_exit_router.head_report import exit_signals, quality_table
 from early_exit_router.training import TrainingConfig, build_cache, corpus_sequences, train_heads
 
@@ -37,11 +36,7 @@ def main() -> None:
     tok = router.tokenizer
     sequences, _ = corpus_sequences(router, args.max_tokens)
     train_cache = build_cache(router._stack, layers, sequences)
-    dev_prompts = [
-        json.loads(line)
-        for line in (resources.files("early_exit_router.data") / "dev_prompts.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
+    dev_prompts = load_prompts(shipped=DEV_PROMPTS)
     with router.disabled() as model:
         dev = {"dev answers": self_generated(model, tok, dev_prompts, 96)}
     for name, text in held_out_texts().items():

@@ -16,18 +16,19 @@ import json
 import statistics
 import warnings
 from collections import defaultdict
-from importlib import resources
 from pathlib import Path
 
 import torch
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.corpus import DEV_PROMPTS, load_prompts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_prompts = Path(str(resources.files("early_exit_router.data") / "dev_prompts.jsonl"))
-    parser.add_argument("--prompts", type=Path, default=default_prompts, help="JSONL: id, category, kind, prompt")
+    parser.add_argument(
+        "--prompts", type=Path, default=None, help="JSONL: id, category, kind, prompt (default: the dev set)"
+    )
     parser.add_argument("--model", default="smollm2-135m", help="Alias, HF folder, GGUF file or router folder")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--json-out", type=Path, default=None, help="Also write every measurement here")
@@ -37,7 +38,7 @@ def main() -> None:
     torch.manual_seed(0)
     router = EarlyExitRouter.from_pretrained(args.model)
     print(router.describe())
-    prompts = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+    prompts = load_prompts(args.prompts, shipped=DEV_PROMPTS)
     configured = router.config
 
     # arm -> (mode, RouterConfig overrides); None is plain HF generate on the unpatched model
