@@ -7,6 +7,7 @@
 * `Cache.crop` takes a negative count ("remove this many"); a positive count meant "keep this many" in 4.x and is
   refused in 5.x. We always crop per layer, by a negative count.
 * Decoder layers return a tensor in 5.x and a tuple in older releases.
+* `generate()` keeps its cache under `cache` (model kwargs and output field) in 5.x, `past_key_values` before.
 """
 
 from __future__ import annotations
@@ -112,3 +113,15 @@ def check_supported() -> None:
             f"early-exit-router needs transformers >= {MIN_TRANSFORMERS} (found {transformers_version()}): "
             f"pip install 'transformers>={MIN_TRANSFORMERS},<6'."
         )
+
+
+GENERATE_CACHE_KWARG = "cache"  # the model_kwargs key generate() prepares its cache under
+
+
+def generate_output(sequences: torch.Tensor, scores: Any, logits: Any, cache: Any) -> Any:
+    """HF's decoder-only generate output, with the cache under this release's field name."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    fields = GenerateDecoderOnlyOutput.__dataclass_fields__
+    cache_field = "cache" if "cache" in fields else "past_key_values"
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, **{cache_field: cache})

@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Also run plain HF generate on the same prompt and report the speed ratio and token match.",
     )
     gen.add_argument("--json", action="store_true", help="Print the statistics as JSON instead of a summary.")
+    gen.add_argument(
+        "--trace",
+        action="store_true",
+        help="Show each token with the depth it left at: colours in a terminal, [L12]-style markers otherwise.",
+    )
     _add_router_options(gen)
 
     train = sub.add_parser(
@@ -140,7 +145,80 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--max-tokens", type=int, default=6000, help="Tokens per held-out text source.")
     report.add_argument("--json", default=None, help="Also write the tables to this JSON file.")
     _add_router_options(report)
+
+    bench = sub.add_parser(
+        "bench",
+        help="Side by side: plain HF generate, the router (threshold sweep), HF assisted early exit and prompt lookup.",
+        description="A/B benchmark in one process on the same prompts: the control (plain HF greedy), the router "
+        "with exits off, the router in each mode over a threshold sweep (and with the n-gram tier), HF assisted "
+        "generation with assistant_early_exit, and HF prompt lookup. Prints a markdown table per category (speed, "
+        "routing, compute, quality against the control) and writes JSON and a PNG plot.",
+    )
+    bench.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    bench.add_argument("--prompts", default=None, help="JSONL: id, category, kind (text|chat), prompt (default: dev).")
+    bench.add_argument("--max-new-tokens", type=int, default=64, help="New tokens per prompt (default: %(default)s).")
+    bench.add_argument("--repeats", type=int, default=1, help="Interleaved repeats (default: %(default)s).")
+    bench.add_argument(
+        "--modes", type=_str_list, default=["exit", "verify"], metavar="M1,M2", help="Router modes (default: both)."
+    )
+    bench.add_argument(
+        "--thresholds",
+        type=_float_list,
+        default=[0.3, 0.5, 0.7, 0.9],
+        metavar="T1,T2",
+        help="high_conf_threshold sweep; the loaded threshold is always added (default: 0.3,0.5,0.7,0.9).",
+    )
+    bench.add_argument("--no-ngram", action="store_true", help="Skip the n-gram tier rows.")
+    bench.add_argument(
+        "--assistant-early-exit",
+        type=_int_list,
+        default=None,
+        metavar="E1,E2",
+        help="HF assisted generation with the first E layers as draft (default: deepest exit + 1; '' skips).",
+    )
+    bench.add_argument(
+        "--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens; 0 skips (default: %(default)s)."
+    )
+    bench.add_argument("--out", default="bench-results", help="Folder for bench.json and bench.png.")
+    bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="Model dtype.")
+    bench.add_argument("--device", default=None, help="Device, e.g. cpu or cuda (default: cpu).")
+    bench.add_argument("--quiet", action="store_true", help="No progress bar.")
+    _add_router_options(bench)
+
+    calib = sub.add_parser(
+        "calibrate",
+        help="Choose the exit threshold that is fastest while meeting a quality target; save it with the heads.",
+        description="Sweep high_conf_threshold on a calibration half of the prompts against plain HF greedy, keep "
+        "the thresholds that meet the target (Learn-then-Test binomial bound for agreement targets, empirical for "
+        "NLL), pick the fastest, check it on the held-out half, and save the router with it.",
+    )
+    calib.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    calib.add_argument("--out", required=True, help="Folder to save the calibrated router into.")
+    calib.add_argument("--prompts", default=None, help="JSONL prompts, split in halves (default: the shipped set).")
+    target = calib.add_mutually_exclusive_group(required=True)
+    target.add_argument("--target-agreement", type=float, help="Teacher-forced agreement to reach, e.g. 0.95.")
+    target.add_argument("--max-nll-increase", type=float, help="Largest relative NLL increase, e.g. 0.02 for 2%%.")
+    calib.add_argument("--method", choices=["ltt", "empirical"], default="ltt", help="Default: %(default)s.")
+    calib.add_argument("--delta", type=float, default=0.1, help="LTT risk level (default: %(default)s).")
+    calib.add_argument("--objective", choices=["speed", "compute"], default="speed", help="Default: %(default)s.")
+    calib.add_argument(
+        "--candidates", type=_float_list, default=None, metavar="T1,T2", help="Thresholds to try (default: 0.3-0.99)."
+    )
+    calib.add_argument("--max-new-tokens", type=int, default=64, help="New tokens per prompt (default: %(default)s).")
+    calib.add_argument("--quiet", action="store_true", help="No progress bar.")
+    _add_router_options(calib)
     return parser
+
+
+def _str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 0.5,0.9, got {text!r}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -186,6 +264,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "first_divergence": first_diff if first_diff is not None or len(plain_new) == len(new_ids) else n,
             "plain_wall_s": plain_s,
         }
+    if args.trace:
+        from .trace import render_trace, trace_legend, use_colour
+
+        colour = use_colour(sys.stdout)
+        if router.tokenizer is None:
+            raise ValueError("--trace needs the model's tokenizer.")
+        coloured, plain = render_trace(
+            router.tokenizer, new_ids.tolist(), out.depths, router.model.config.num_hidden_layers, router.exit_layers
+        )
+        print("\n--- trace ---")
+        print(trace_legend(router.model.config.num_hidden_layers, router.exit_layers, out.depths, colour))
+        print(coloured if colour else plain)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -264,6 +354,66 @@ def cmd_eval_heads(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, run_bench
+    from .corpus import DEV_PROMPTS, load_prompts
+    from .router import EarlyExitRouter
+
+    router = EarlyExitRouter.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, **_router_overrides(args)
+    )
+    print(router.describe(), file=sys.stderr)
+    cfg = BenchConfig(
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        modes=tuple(args.modes),
+        thresholds=tuple(args.thresholds),
+        ngram=not args.no_ngram,
+        assistant_early_exit=None if args.assistant_early_exit is None else tuple(args.assistant_early_exit),
+        prompt_lookup_num_tokens=args.prompt_lookup,
+    )
+    for mode in cfg.modes:
+        if mode not in MODES:
+            raise ValueError(f"Unknown mode {mode!r} in --modes: use {', '.join(MODES)}.")
+    prompts = load_prompts(args.prompts, shipped=DEV_PROMPTS)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = run_bench(router, prompts, cfg, progress=not args.quiet)
+    print(result.markdown())
+    result.write_json(out / "bench.json")
+    result.plot(out / "bench.png")
+    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import DEFAULT_CANDIDATES, CalibrationConfig, QualityTarget, calibrate, split_prompts
+    from .corpus import CALIBRATION_PROMPTS, load_prompts
+    from .router import EarlyExitRouter
+
+    target = QualityTarget(min_agreement=args.target_agreement, max_nll_increase=args.max_nll_increase)
+    cfg = CalibrationConfig(
+        target=target,
+        candidates=tuple(args.candidates or DEFAULT_CANDIDATES),
+        method=args.method,
+        delta=args.delta,
+        objective=args.objective,
+        max_new_tokens=args.max_new_tokens,
+    )
+    router = EarlyExitRouter.from_pretrained(args.model, **_router_overrides(args))
+    print(router.describe(), file=sys.stderr)
+    calibration, heldout = split_prompts(load_prompts(args.prompts, shipped=CALIBRATION_PROMPTS))
+    result = calibrate(router, calibration, heldout, cfg, progress=not args.quiet)
+    print(result.table())
+    if result.chosen_threshold is None:
+        print("nothing saved: no threshold met the target", file=sys.stderr)
+        return 1
+    router.save_pretrained(args.out)
+    (Path(args.out) / "calibration_report.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    print(f"saved to {args.out} with high_conf_threshold={router.config.high_conf_threshold:g}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -275,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train_heads(args)
         if args.command == "eval-heads":
             return cmd_eval_heads(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
     except (ValueError, FileNotFoundError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

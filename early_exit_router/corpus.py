@@ -32,6 +32,7 @@ COMMON_LICENSES = Path("/usr/share/common-licenses")
 
 TRAIN_PROMPTS = "train_prompts.jsonl"  # self-distillation prompts
 DEV_PROMPTS = "dev_prompts.jsonl"  # development set: measured on, never trained on
+CALIBRATION_PROMPTS = "calibration_prompts.jsonl"  # threshold calibration, split in halves; never trained on
 
 
 def load_prompts(path: str | Path | None = None, shipped: str = TRAIN_PROMPTS) -> list[dict[str, Any]]:

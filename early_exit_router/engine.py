@@ -126,7 +126,8 @@ class Engine:
     @torch.no_grad()  # not inference_mode: returned tensors must stay usable with autograd
     def generate(
         self, input_ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector
-    ) -> tuple[torch.Tensor, GenerationStats, list[torch.Tensor], Any]:
+    ) -> tuple[torch.Tensor, GenerationStats, list[torch.Tensor], Any, list[int]]:
+        """Returns sequences, stats, per-token logits (when requested), the cache and each new token's depth."""
         start = time.perf_counter()
         state = self._prefill(input_ids, request, selector)
         prefill_s = time.perf_counter() - start
@@ -144,7 +145,7 @@ class Engine:
             request.streamer.end()
         wall = time.perf_counter() - start
         sequences = state.seq[:, : len(state.tokens)].clone()
-        return sequences, self._stats(state, request, wall, prefill_s), state.logits, state.cache
+        return sequences, self._stats(state, request, wall, prefill_s), state.logits, state.cache, state.depth
 
     # --------------------------------------------------------------------------------------------------- prefill
     def _prefill(self, input_ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> SequenceState:
@@ -173,6 +174,7 @@ class Engine:
             request.streamer.put(input_ids[0].cpu())
         token = selector.choose(seq[:, :n], logits)
         self._append(state, token, int(token.item()), self.full_layer, logits, request)
+        self._stream(state, request, len(state.tokens))  # the prefill's token is final in both modes
         return state
 
     # ------------------------------------------------------------------------------------------------ one step
@@ -269,21 +271,26 @@ class Engine:
             if not allowed:
                 return False
         logits = self.stack.unembed(self.stack.final_norm(self.heads.adapter(layer)(last)))  # (1, vocab)
-        token = selector.choose(state.seq[:, : q + 1], logits)
+        # Greedy: choose before deciding, so that one host sync fetches the flag, confidence and token together.
+        # Sampling: draw only once the token exits, so the generator serves emitted tokens alone (never-exit
+        # sampling then draws exactly what HF sampling draws from the same seed).
+        token = None if selector.params.do_sample else selector.choose(state.seq[:, : q + 1], logits)
+        chosen: list[float] = []  # the token id, when the decision's sync fetched it
         if target is None:
             t0 = time.perf_counter()
             exit_flag, confidence = router.head_signal(logits[0])
-            # One host sync per decision: the flag, the confidence and the token together.
-            flag, conf, token_id = torch.stack(
-                [exit_flag.double(), confidence.double(), token.reshape(()).double()]
+            signals = [exit_flag.double(), confidence.double()]
+            flag, conf, *chosen = torch.stack(
+                signals + ([] if token is None else [token.reshape(()).double()])
             ).tolist()
             state.routing_s += time.perf_counter() - t0
             if not flag:
                 return False
             router.start_block(state.routing, i)
             router.record_exit(state.routing, conf)
-        else:
-            token_id = token.item()
+        if token is None:
+            token = selector.choose(state.seq[:, : q + 1], logits)
+        token_id = int(chosen[0]) if chosen else int(token.item())
         waiting = state.buffers[i + 1]
         state.buffers[i + 1] = hidden if waiting is None else torch.cat([waiting, hidden], dim=1)
         state.draft_exit[q] = i

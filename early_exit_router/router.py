@@ -6,7 +6,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from .checkpoint import BaseModelIdentity, head_fingerprint, head_hash, is_route
 from .config import MODES, RouterConfig
 from .engine import DecodeRequest, Engine
 from .heads import ExitHeads
+from .hf_generate import RoutedGenerate
 from .models import load_base_model, resolve_alias, shipped_checkpoint
 from .routing import Router
 from .sampling import SamplingParams, TokenSelector
@@ -26,6 +27,7 @@ from .stats import GenerationStats
 
 HEADS_ATTR = "early_exit_heads"  # the submodule the patch registers on the model
 ROUTER_ATTR = "_early_exit_router"  # back-reference, to refuse patching one model twice
+GENERATE_ATTR = "generate"  # instance attribute: model.generate() routes through the router
 
 
 @dataclass
@@ -36,6 +38,7 @@ class GenerationOutput:
     stats: GenerationStats
     logits: tuple[torch.Tensor, ...] | None = None  # per new token, (1, vocab) raw logits it was chosen from
     cache: Any = None  # the KV cache: every layer holds sequences[:, :-1], as a full forward pass would
+    depths: list[int] = field(default_factory=list)  # per new token: the 0-based layer it left at (-1: n-gram tier)
 
 
 class EarlyExitRouter:
@@ -63,6 +66,7 @@ class EarlyExitRouter:
         self._stack = stack
         self.name_or_path = name_or_path
         self._state = "new"  # -> "patched"; "disabled" inside disabled(); "unpatched" for good
+        self.last_stats: GenerationStats | None = None  # of the last model.generate() call the router served
         self._warned_untrained = False
 
     # -------------------------------------------------------------------------------------------- construction
@@ -86,6 +90,11 @@ class EarlyExitRouter:
         if getattr(model, ROUTER_ATTR, None) is not None or hasattr(model, HEADS_ATTR):
             raise ValueError(
                 "This model is already patched by an EarlyExitRouter: reuse that router, or call its unpatch() first."
+            )
+        if GENERATE_ATTR in model.__dict__:
+            raise ValueError(
+                "model.generate is overridden on this model object (by another plugin or a custom_generate repo); "
+                "the router would hide it. Delete that attribute first (del model.generate)."
             )
         spec = spec_for(model)
         stack = LayerStack(model, spec)
@@ -167,6 +176,8 @@ class EarlyExitRouter:
         try:
             model.add_module(HEADS_ATTR, self.heads)
             model.__dict__[ROUTER_ATTR] = self
+            if hasattr(type(model), "generate"):
+                model.__dict__[GENERATE_ATTR] = RoutedGenerate(self)  # shadows the class's generate
         except BaseException:
             self._detach()
             raise
@@ -177,6 +188,8 @@ class EarlyExitRouter:
         if HEADS_ATTR in model._modules:
             del model._modules[HEADS_ATTR]
         model.__dict__.pop(ROUTER_ATTR, None)
+        if isinstance(model.__dict__.get(GENERATE_ATTR), RoutedGenerate):
+            del model.__dict__[GENERATE_ATTR]
 
     def unpatch(self) -> nn.Module:
         """Remove everything the patch added and return the original model object. The router is unusable after."""
@@ -329,9 +342,13 @@ class EarlyExitRouter:
         )
         selector = TokenSelector(params, self._stack.device, logits_processor)
         engine = Engine(self._stack, self.heads, Router(self.config, self._stack.vocab_size), self.config)
-        sequences, stats, logits, cache = engine.generate(input_ids, request, selector)
+        sequences, stats, logits, cache, depths = engine.generate(input_ids, request, selector)
         return GenerationOutput(
-            sequences=sequences, stats=stats, logits=tuple(logits) if output_logits else None, cache=cache
+            sequences=sequences,
+            stats=stats,
+            logits=tuple(logits) if output_logits else None,
+            cache=cache,
+            depths=list(depths),
         )
 
     def _check_input_ids(self, input_ids: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -428,7 +445,9 @@ class EarlyExitRouter:
             num_layers=self._stack.num_layers,
         )
         logits = tuple(out.logits) if output_logits and out.logits is not None else None
-        return GenerationOutput(sequences=out.sequences, stats=stats, logits=logits, cache=out.cache)
+        return GenerationOutput(
+            sequences=out.sequences, stats=stats, logits=logits, cache=out.cache, depths=[full] * new
+        )
 
     # ----------------------------------------------------------------------------------------------- save/load
     def save_pretrained(self, path: str | Path) -> None:

@@ -90,3 +90,18 @@ def assert_same_model(before: dict, after: dict) -> None:
     assert before["attrs"] == after["attrs"]
     for k, v in before["values"].items():
         assert torch.equal(v, after["values"][k]), k
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer for the tiny models: '<bos>', '<unk>', then 'w2' .. 'w95'; a chat template."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<bos>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<bos>")
+    tokenizer.chat_template = "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}w4"
+    return tokenizer

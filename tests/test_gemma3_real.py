@@ -28,7 +28,8 @@ def test_gemma3_270m_never_exit_and_verify_match_hf_greedy():
     router = EarlyExitRouter.from_pretrained(str(assemble()), exit_layers=[6, 12])
     assert router.model.config.model_type == "gemma3_text" and router._stack.vocab_size > 260_000
     ids = router.encode("The capital of France is Paris. The capital of Italy is")
-    ref = router.model.generate(ids, max_new_tokens=12, do_sample=False)
+    with router.disabled() as plain:  # on the patched model, generate() itself routes
+        ref = plain.generate(ids, max_new_tokens=12, do_sample=False)
     router.config = router.config.replace(active_exit_layers=[])
     assert torch.equal(router.generate(ids, max_new_tokens=12).sequences, ref)
     router.config = router.config.replace(active_exit_layers=None, high_conf_threshold=0.5, low_conf_threshold=0.4)

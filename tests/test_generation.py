@@ -212,7 +212,8 @@ def test_stopping_criteria_and_logits_processors_are_applied():
         new = out.sequences[0, ids.shape[1] :]
         assert len(new) == 7
         assert int(new.min()) >= 40
-    ref = model.generate(ids, max_new_tokens=30, do_sample=False, logits_processor=suppress, stopping_criteria=stop)
+    with router.disabled() as plain:  # on the patched model, generate() itself would route
+        ref = plain.generate(ids, max_new_tokens=30, do_sample=False, logits_processor=suppress, stopping_criteria=stop)
     out = router.generate(ids, max_new_tokens=30, mode="verify", logits_processor=suppress, stopping_criteria=stop)
     assert torch.equal(out.sequences, ref)
 
@@ -339,7 +340,8 @@ def test_ngram_tier_proposes_on_repetitive_text_and_fills_the_cache_in_exit_mode
     assert "ngram" in out.stats.summary()
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
     verified = router.generate(repetitive_prompt(), max_new_tokens=30, mode="verify")
-    assert torch.equal(verified.sequences, model.generate(repetitive_prompt(), max_new_tokens=30, do_sample=False))
+    with router.disabled() as plain:
+        assert torch.equal(verified.sequences, plain.generate(repetitive_prompt(), max_new_tokens=30, do_sample=False))
     assert verified.stats.exit_histogram.get(-1, 0) > 0  # accepted copies count for the tier
 
 

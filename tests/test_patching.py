@@ -140,7 +140,8 @@ def test_heads_follow_the_model_to_another_dtype(model):
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
     model.to(torch.float64)
     assert next(router.heads.parameters()).dtype == torch.float64
-    ref = model.generate(prompt(0), max_new_tokens=8, do_sample=False)
+    with router.disabled() as plain:
+        ref = plain.generate(prompt(0), max_new_tokens=8, do_sample=False)
     router.config = router.config.replace(high_conf_threshold=1.0, low_conf_threshold=1.0, entropy_threshold=0.0)
     assert torch.equal(router.generate(prompt(0), max_new_tokens=8).sequences, ref)
 

@@ -52,7 +52,8 @@ def test_fresh_heads_can_be_requested_for_training():
 @pytest.mark.parametrize("mode", ["exit", "verify"])
 def test_never_exit_and_verify_match_hf_greedy_on_the_real_model(smol, mode):
     ids = smol.encode("List three colours.", chat=True)
-    ref = smol.model.generate(ids, max_new_tokens=16, do_sample=False)
+    with smol.disabled() as plain:  # on the patched model, generate() itself routes
+        ref = plain.generate(ids, max_new_tokens=16, do_sample=False)
     overrides = dict(high_conf_threshold=1.0, low_conf_threshold=1.0, entropy_threshold=0.0) if mode == "exit" else {}
     config = smol.config
     try:

@@ -1,0 +1,536 @@
+"""`bench`: the router against plain HF generation and HF's own speed-ups, side by side in one process.
+
+An A/B design: the control is plain HF `model.generate` (greedy) on the unpatched model; every other arm runs on
+the same prompts, the same hardware and the same decoding parameters, interleaved prompt by prompt (the arm order
+rotates between prompts and repeats, so no arm always runs first). Arms:
+
+- the control, and the router with its exits switched off (the cost or gain of our own decode loop);
+- the router at its loaded config, and in each mode over a sweep of confidence-only thresholds (`@t`: exit when
+  the head's max probability is at least t), and with the n-gram tier;
+- HF assisted generation with `assistant_early_exit=E` (the model's own first E layers and its LM head draft);
+- HF prompt-lookup decoding (`prompt_lookup_num_tokens`).
+
+Per run: tokens/s, time to first token, inter-token latency (the gap between tokens' arrival at a streamer, so
+tokens that arrive together count 0 after the first), peak memory, routing statistics, compute per token relative
+to the full model (`compute.ComputeMeter`), and quality against the control (`metrics`). Speedups are ratios to the
+control measured in the same run; absolute numbers depend on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+from transformers.utils import logging as hf_logging
+
+from .compute import ComputeMeter
+from .metrics import first_divergence, nll_ratio, rouge_l, teacher_forced_score, token_match
+
+CONTROL = "plain HF generate"
+ENGINE_CONTROL = "router, exits off"
+
+
+@dataclass
+class Arm:
+    """One way of generating. `kind`: 'plain' (HF generate with `hf_kwargs`) or 'router'."""
+
+    name: str
+    kind: str
+    mode: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)  # RouterConfig changes for router arms
+    hf_kwargs: dict[str, Any] = field(default_factory=dict)  # extra HF generate arguments for plain arms
+    family: str = ""  # plot series: arms of one family differ only in `threshold`
+    threshold: float | None = None
+
+
+@dataclass
+class BenchConfig:
+    """What `run_bench` measures. Sweeps set a confidence-only threshold (`threshold_overrides`)."""
+
+    max_new_tokens: int = 64
+    repeats: int = 1
+    modes: tuple[str, ...] = ("exit", "verify")
+    thresholds: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)  # swept next to the loaded config
+    ngram: bool = True  # add each mode with the zero-layer n-gram tier, at the loaded config
+    engine_control: bool = True
+    assistant_early_exit: tuple[int, ...] | None = None  # None: the deepest exit layer + 1; () skips the arm
+    prompt_lookup_num_tokens: int = 10  # 0 skips the arm
+    warmup: bool = True
+
+
+def threshold_overrides(threshold: float) -> dict[str, float]:
+    """RouterConfig changes for a swept threshold: the confidence rule alone (low = high, no entropy band).
+
+    One number then orders the candidates from conservative to aggressive, which calibration's fixed-sequence
+    test needs; with a band, the entropy rule decides most exits and a sweep of `high_conf_threshold` alone
+    barely changes anything (measured: 0.7 to 0.99 gave the same outputs).
+    """
+    return {"high_conf_threshold": threshold, "low_conf_threshold": threshold}
+
+
+def build_arms(router: Any, cfg: BenchConfig) -> list[Arm]:
+    """The arms for `router` under `cfg`, the control first."""
+    arms = [Arm(CONTROL, "plain", family="control")]
+    if cfg.engine_control:
+        arms.append(Arm(ENGINE_CONTROL, "router", "exit", {"active_exit_layers": []}, family="engine control"))
+    for mode in cfg.modes:
+        arms.append(Arm(f"router {mode} (loaded config)", "router", mode, family=f"router {mode}, loaded config"))
+        for t in sorted(cfg.thresholds, reverse=True):
+            overrides = threshold_overrides(t)
+            arms.append(Arm(f"router {mode} @{t:g}", "router", mode, overrides, family=f"router {mode}", threshold=t))
+        if cfg.ngram:
+            name = f"router {mode} + n-gram (loaded config)"
+            arms.append(Arm(name, "router", mode, {"ngram_tier": True}, family=f"router {mode} + n-gram"))
+    early_exits = cfg.assistant_early_exit
+    if early_exits is None:
+        early_exits = (router.exit_layers[-1] + 1,) if router.exit_layers else ()
+    for e in early_exits:
+        arms.append(Arm(f"HF assisted, early exit {e}", "plain", hf_kwargs={"assistant_early_exit": e}, family="HF"))
+    if cfg.prompt_lookup_num_tokens:
+        n = cfg.prompt_lookup_num_tokens
+        arms.append(Arm(f"HF prompt lookup {n}", "plain", hf_kwargs={"prompt_lookup_num_tokens": n}, family="HF"))
+    return arms
+
+
+class _ArrivalStreamer(BaseStreamer):
+    """Records when generated tokens arrive; the first `put` (the prompt) is skipped."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[tuple[float, int]] = []  # (time, tokens arriving together)
+        self._seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        self.arrivals.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif os.path.exists("/proc/self/clear_refs"):
+        try:  # Linux: writing 5 resets the resident-set high-water mark (VmHWM)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def _peak_memory_mb(device: torch.device) -> float | None:
+    """CUDA: peak allocated tensor memory. CPU (Linux): the process's resident high-water mark."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclass
+class RunRecord:
+    """One generation of one arm on one prompt."""
+
+    prompt_id: str
+    category: str
+    arm: str
+    repeat: int
+    new_ids: list[int]
+    wall_s: float
+    ttft_s: float | None
+    inter_token_s: list[float]
+    peak_memory_mb: float | None
+    compute_ratio: float | None  # decode multiply-adds per new token / the full model's per decode step
+    stats: dict[str, Any] | None  # GenerationStats of router arms
+    quality: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.new_ids)
+
+
+class _Runner:
+    """Runs arms on prompts with one ComputeMeter attached, keeping the router's config intact."""
+
+    def __init__(self, router: Any, max_new_tokens: int) -> None:
+        self.router = router
+        self.max_new_tokens = max_new_tokens
+        self.device = router._stack.device
+
+    def run(self, arm: Arm, ids: torch.Tensor, meter: ComputeMeter) -> tuple[list[int], dict | None, float, list]:
+        """Generate with `arm`; returns new token ids, router stats, wall seconds, streamer arrivals."""
+        router, n = self.router, ids.shape[1]
+        streamer = _ArrivalStreamer()
+        start = time.perf_counter()
+        if arm.kind == "router":
+            configured = router.config
+            router.config = configured.replace(**arm.overrides)
+            try:
+                out = router.generate(ids, self.max_new_tokens, mode=arm.mode, streamer=streamer)
+            finally:
+                router.config = configured
+            new_ids, stats = out.sequences[0, n:].tolist(), out.stats.to_dict()
+        else:
+            with router.disabled() as model, torch.no_grad():
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=self.max_new_tokens,
+                    do_sample=False,
+                    streamer=streamer,
+                    **arm.hf_kwargs,
+                )
+            new_ids, stats = out[0, n:].tolist(), None
+        wall = time.perf_counter() - start
+        return new_ids, stats, wall, [(t - start, k) for t, k in streamer.arrivals]
+
+
+def _latencies(arrivals: list[tuple[float, int]]) -> tuple[float | None, list[float]]:
+    """Time to first token and per-token inter-arrival gaps (0 for tokens that arrive with the one before)."""
+    if not arrivals:
+        return None, []
+    gaps, previous = [], arrivals[0][0]
+    for t, k in arrivals[1:]:
+        gaps.extend([t - previous] + [0.0] * (k - 1))
+        previous = t
+    gaps = [0.0] * (arrivals[0][1] - 1) + gaps
+    return arrivals[0][0], gaps
+
+
+@dataclass
+class BenchResult:
+    """Everything one bench run measured; `summary` holds one row per (category, arm), categories plus 'all'."""
+
+    meta: dict[str, Any]
+    arms: list[Arm]
+    records: list[RunRecord]
+    summary: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "meta": self.meta,
+            "arms": [asdict(a) for a in self.arms],
+            "summary": self.summary,
+            "records": [asdict(r) for r in self.records],
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def markdown(self) -> str:
+        return format_markdown(self)
+
+    def plot(self, path: str | Path) -> None:
+        plot_tradeoff(self, path)
+
+
+def run_bench(
+    router: Any, prompts: Sequence[dict[str, Any]], cfg: BenchConfig | None = None, progress: bool = True
+) -> BenchResult:
+    """Run every arm of `build_arms(router, cfg)` on every prompt (records: id, category, kind, prompt)."""
+    from tqdm.auto import tqdm
+
+    cfg = cfg or BenchConfig()
+    if not prompts:
+        raise ValueError("No prompts to benchmark: give a JSONL file with id, category, kind and prompt fields.")
+    if cfg.repeats < 1 or cfg.max_new_tokens < 1:
+        raise ValueError(f"repeats and max_new_tokens must be >= 1, got {cfg.repeats} and {cfg.max_new_tokens}.")
+    arms = build_arms(router, cfg)
+    runner = _Runner(router, cfg.max_new_tokens)
+    encoded = [_encode(router, p) for p in prompts]
+    records: list[RunRecord] = []
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # HF's assisted-generation notices and our monitor's warnings: noise here
+    try:
+        with ComputeMeter(router._stack, router.heads) as meter:
+            if cfg.warmup:  # first-call allocations stay out of the numbers
+                for arm in arms:
+                    runner.run(arm, encoded[0][:, :8], meter)
+            bar = tqdm(total=cfg.repeats * len(prompts) * len(arms), disable=not progress, desc="bench", unit="run")
+            for repeat in range(cfg.repeats):
+                for p_idx, (item, ids) in enumerate(zip(prompts, encoded)):
+                    shift = (p_idx + repeat) % len(arms)
+                    for arm in arms[shift:] + arms[:shift]:
+                        records.append(_measure(runner, arm, item, ids, repeat, meter))
+                        bar.update(1)
+            bar.close()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    _score_quality(router, prompts, encoded, records)
+    meta = _meta(router, cfg, prompts)
+    return BenchResult(meta, arms, records, summarize(records, arms))
+
+
+def _encode(router: Any, item: dict[str, Any]) -> torch.Tensor:
+    for key in ("id", "category", "kind", "prompt"):
+        if key not in item:
+            raise ValueError(f"Prompt record {item!r} lacks the field {key!r} (needed: id, category, kind, prompt).")
+    if item["kind"] not in ("text", "chat"):
+        raise ValueError(f"Prompt {item['id']!r}: kind must be 'text' or 'chat', got {item['kind']!r}.")
+    return router.encode(item["prompt"], chat=item["kind"] == "chat")
+
+
+def _measure(runner: _Runner, arm: Arm, item: dict, ids: torch.Tensor, repeat: int, meter: ComputeMeter) -> RunRecord:
+    _reset_peak_memory(runner.device)
+    meter.reset()
+    new_ids, stats, wall, arrivals = runner.run(arm, ids, meter)
+    count = meter.reset()
+    decode_steps = len(new_ids) - 1
+    compute = None
+    if decode_steps > 0:
+        decode_macs = count.total - meter.prefill_macs(ids.shape[1])
+        compute = decode_macs / (decode_steps * meter.full_token_macs)
+    ttft, gaps = _latencies(arrivals)
+    return RunRecord(
+        prompt_id=item["id"],
+        category=item["category"],
+        arm=arm.name,
+        repeat=repeat,
+        new_ids=new_ids,
+        wall_s=wall,
+        ttft_s=ttft,
+        inter_token_s=gaps,
+        peak_memory_mb=_peak_memory_mb(runner.device),
+        compute_ratio=compute,
+        stats=stats,
+    )
+
+
+def _score_quality(router: Any, prompts: Sequence[dict], encoded: list[torch.Tensor], records: list[RunRecord]) -> None:
+    """Quality of every record against the control's output on the same prompt, and under the full model."""
+    by_prompt = {item["id"]: ids[0].tolist() for item, ids in zip(prompts, encoded)}
+    control = {r.prompt_id: r.new_ids for r in records if r.arm == CONTROL and r.repeat == 0}
+    scores: dict[tuple, Any] = {}
+    tokenizer = router.tokenizer
+    with router.disabled() as model:
+        for r in records:
+            key = (r.prompt_id, tuple(r.new_ids))
+            if key not in scores:
+                scores[key] = teacher_forced_score(model, by_prompt[r.prompt_id], r.new_ids)
+            reference = control[r.prompt_id]
+            ref_key = (r.prompt_id, tuple(reference))
+            if ref_key not in scores:
+                scores[ref_key] = teacher_forced_score(model, by_prompt[r.prompt_id], reference)
+            score, ref_score = scores[key], scores[ref_key]
+            if tokenizer is not None:
+                rouge = rouge_l(
+                    tokenizer.decode(reference, skip_special_tokens=True),
+                    tokenizer.decode(r.new_ids, skip_special_tokens=True),
+                )
+            else:
+                rouge = rouge_l(reference, r.new_ids)
+            r.quality = {
+                "identical": r.new_ids == reference,
+                "token_match": token_match(reference, r.new_ids),
+                "first_divergence": first_divergence(reference, r.new_ids),
+                "teacher_forced_agreement": score.agreement,
+                "disagreements": score.disagreements,
+                "mean_nll": score.mean_nll,
+                "nll_ratio": nll_ratio(score.mean_nll, ref_score.mean_nll),
+                "rouge_l": rouge,
+            }
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def summarize(records: list[RunRecord], arms: list[Arm]) -> list[dict[str, Any]]:
+    """One row per (category, arm), categories in order of appearance, then 'all'."""
+    groups: dict[tuple[str, str], list[RunRecord]] = defaultdict(list)
+    categories: list[str] = []
+    for r in records:
+        if r.category not in categories:
+            categories.append(r.category)
+        groups[(r.category, r.arm)].append(r)
+        groups[("all", r.arm)].append(r)
+    rows = []
+    for category in [*categories, "all"]:
+        control = groups[(category, CONTROL)]
+        control_tps = _tokens_per_s(control)
+        for arm in arms:
+            runs = groups[(category, arm.name)]
+            if not runs:
+                continue
+            tokens = sum(r.tokens for r in runs)
+            tps = _tokens_per_s(runs)
+            stats = [r.stats for r in runs if r.stats is not None]
+            histogram: dict[int, int] = defaultdict(int)
+            for s in stats:
+                for layer, count in s["exit_histogram"].items():
+                    histogram[int(layer)] += count
+            divergences = [r.quality["first_divergence"] for r in runs if r.quality["first_divergence"] is not None]
+            gaps = [g for r in runs for g in r.inter_token_s]
+            rows.append(
+                {
+                    "category": category,
+                    "arm": arm.name,
+                    "family": arm.family,
+                    "threshold": arm.threshold,
+                    "runs": len(runs),
+                    "tokens": tokens,
+                    "tokens_per_s": tps,
+                    "speedup": tps / control_tps if control_tps else None,
+                    "ttft_ms": _ms(_mean([r.ttft_s for r in runs])),
+                    "itl_p50_ms": _ms(_percentile(gaps, 0.5)),
+                    "itl_p99_ms": _ms(_percentile(gaps, 0.99)),
+                    "peak_memory_mb": max((r.peak_memory_mb or 0.0) for r in runs) or None,
+                    "hit_rate": sum(s["hit_rate"] * s["new_tokens"] for s in stats) / tokens if stats else 0.0,
+                    "exit_histogram": dict(sorted(histogram.items())),
+                    "routing_overhead": _mean([s["routing_overhead"] for s in stats]),
+                    "compute_ratio": _weighted([(r.compute_ratio, r.tokens - 1) for r in runs]),
+                    "identical": sum(r.quality["identical"] for r in runs),
+                    "token_match": _mean([r.quality["token_match"] for r in runs]),
+                    "first_divergence_median": statistics.median(divergences) if divergences else None,
+                    "teacher_forced_agreement": 1 - sum(r.quality["disagreements"] for r in runs) / max(1, tokens),
+                    "nll_ratio": _mean([r.quality["nll_ratio"] for r in runs]),
+                    "rouge_l": _mean([r.quality["rouge_l"] for r in runs]),
+                }
+            )
+    return rows
+
+
+def _tokens_per_s(runs: list[RunRecord]) -> float:
+    wall = sum(r.wall_s for r in runs)
+    return sum(r.tokens for r in runs) / wall if wall > 0 else 0.0
+
+
+def _weighted(pairs: list[tuple[float | None, int]]) -> float | None:
+    pairs = [(v, w) for v, w in pairs if v is not None and w > 0]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def _meta(router: Any, cfg: BenchConfig, prompts: Sequence[dict]) -> dict[str, Any]:
+    import transformers
+
+    stack = router._stack
+    device = stack.device
+    if device.type == "cuda":
+        machine = torch.cuda.get_device_name(device)
+    else:
+        machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return {
+        "model": router.describe(),
+        "machine": machine,
+        "device": str(device),
+        "dtype": str(stack.dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "num_layers": stack.num_layers,
+        "router_config": router.config.to_dict(),
+        "bench_config": asdict(cfg),
+        "prompts": len(prompts),
+        "decoding": "greedy",
+        "peak_memory": "peak allocated CUDA memory" if device.type == "cuda" else "process resident high-water mark",
+    }
+
+
+def _fmt(value: Any, spec: str = ".2f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def format_markdown(result: BenchResult) -> str:
+    """The summary as markdown: a header, then one table per category."""
+    meta = result.meta
+    lines = [
+        f"model: {meta['model']}",
+        f"machine: {meta['machine']}; {meta['dtype']}; torch {meta['torch']}, transformers {meta['transformers']}",
+        f"{meta['prompts']} prompts, {meta['bench_config']['max_new_tokens']} new tokens max, greedy, "
+        f"{meta['bench_config']['repeats']} repeat(s); speedup = tokens/s over the control's in the same run; "
+        "compute = decode multiply-adds per token over the full model's; agreement = teacher-forced agreement "
+        "with the full model; NLL = full-model NLL of the output over the control's.",
+    ]
+    header = (
+        "| arm | tok/s | speedup | hit rate | compute | agreement | NLL ratio | ROUGE-L | identical | "
+        "TTFT ms | ITL p50/p99 ms | routing | peak MB |"
+    )
+    for category in dict.fromkeys(row["category"] for row in result.summary):
+        rows = [row for row in result.summary if row["category"] == category]
+        lines += ["", f"### {category}", "", header, "|" + "---|" * 13]
+        for row in rows:
+            lines.append(
+                f"| {row['arm']} | {row['tokens_per_s']:.1f} | {_fmt(row['speedup'])}x | {row['hit_rate']:.2f} | "
+                f"{_fmt(row['compute_ratio'])} | {row['teacher_forced_agreement']:.3f} | {_fmt(row['nll_ratio'])} | "
+                f"{_fmt(row['rouge_l'])} | {row['identical']}/{row['runs']} | {_fmt(row['ttft_ms'], '.0f')} | "
+                f"{_fmt(row['itl_p50_ms'], '.0f')}/{_fmt(row['itl_p99_ms'], '.0f')} | "
+                f"{_fmt(row['routing_overhead'], '.1%')} | {_fmt(row['peak_memory_mb'], '.0f')} |"
+            )
+    return "\n".join(lines)
+
+
+def plot_tradeoff(result: BenchResult, path: str | Path) -> None:
+    """PNG: per category, speedup (top) and compute saved (bottom) against teacher-forced agreement."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(
+            "The plot needs matplotlib: pip install 'early-exit-router[bench]' (or pip install matplotlib)."
+        ) from None
+    categories = list(dict.fromkeys(row["category"] for row in result.summary))
+    fig, axes = plt.subplots(2, len(categories), figsize=(4.2 * len(categories), 7.5), squeeze=False)
+    for col, category in enumerate(categories):
+        rows = [row for row in result.summary if row["category"] == category]
+        for ax, key, label in (
+            (axes[0][col], "speedup", "speedup over plain HF (measured)"),
+            (axes[1][col], "compute_ratio", "compute per token / full model"),
+        ):
+            families = dict.fromkeys(row["family"] for row in rows)
+            for family in families:
+                points = [r for r in rows if r["family"] == family and r[key] is not None]
+                if not points:
+                    continue
+                if any(r["threshold"] is None for r in points):  # single configurations: one marker each
+                    for r in points:
+                        marker = "s" if family == "HF" else "^"
+                        ax.scatter(r[key], r["teacher_forced_agreement"], marker=marker, label=r["arm"])
+                    continue
+                points.sort(key=lambda r: r["threshold"] or 0)
+                xs = [r[key] for r in points]
+                ys = [r["teacher_forced_agreement"] for r in points]
+                ax.plot(xs, ys, marker="o", label=family)
+                for r in points:
+                    if r["threshold"] is not None:
+                        ax.annotate(f"{r['threshold']:g}", (r[key], r["teacher_forced_agreement"]), fontsize=7)
+            ax.set_xlabel(label)
+            ax.set_ylabel("agreement with full model")
+            ax.set_title(category)
+            ax.grid(alpha=0.3)
+        if col == 0:
+            axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{result.meta['model'].split(':')[0]} on {result.meta['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

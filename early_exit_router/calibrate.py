@@ -1,0 +1,265 @@
+"""`calibrate`: choose the exit threshold that is fastest while meeting a quality target, and check it held out.
+
+Method (documented in README, "Calibration"):
+
+1. Split the prompts into a calibration half and a held-out half (alternating within each category).
+2. On the calibration half, run the control (plain HF greedy) and the router at every candidate threshold t
+   (the confidence rule alone: `high_conf_threshold = low_conf_threshold = t`), side by side
+   (`bench.run_bench`), and score every output with the full model.
+3. Keep the candidates that meet the target on the calibration half, and pick the fastest of them (measured
+   speedup, or compute per token with `objective="compute"`).
+   - Agreement target (teacher-forced agreement >= 1 - epsilon), `method="ltt"`: a Learn-then-Test risk bound as
+     in CALM. Each candidate's null hypothesis "its disagreement rate exceeds epsilon" gets the exact binomial
+     p-value P(Binomial(n, epsilon) <= k) of its k disagreements in n tokens. Candidates are tested in a fixed
+     sequence from the most conservative threshold down, stopping at the first p-value above `delta`; every
+     candidate before that point meets the target with probability >= 1 - delta (family-wise). Tokens are treated
+     as independent draws, which is an approximation: tokens of one answer are correlated.
+   - `method="empirical"` (and every NLL target, whose loss is unbounded): the calibration estimate must meet
+     the target; no risk bound.
+4. Run the chosen threshold on the held-out half, again against the control, and report whether the target holds
+   there. The chosen thresholds replace the router's config, ready for `save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .bench import BenchConfig, run_bench, threshold_overrides
+
+DEFAULT_CANDIDATES = (0.99, 0.97, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+
+
+@dataclass
+class QualityTarget:
+    """Exactly one of: a minimum teacher-forced agreement, or a maximum relative NLL increase (0.02 = 2%)."""
+
+    min_agreement: float | None = None
+    max_nll_increase: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.min_agreement is None) == (self.max_nll_increase is None):
+            raise ValueError("Give exactly one quality target: min_agreement (e.g. 0.95) or max_nll_increase (0.02).")
+        if self.min_agreement is not None and not 0 < self.min_agreement <= 1:
+            raise ValueError(f"min_agreement must be in (0, 1], got {self.min_agreement}.")
+        if self.max_nll_increase is not None and self.max_nll_increase < 0:
+            raise ValueError(f"max_nll_increase must be >= 0, got {self.max_nll_increase}.")
+
+    def met(self, agreement: float, nll_ratio: float | None) -> bool:
+        if self.min_agreement is not None:
+            return agreement >= self.min_agreement
+        return nll_ratio is not None and nll_ratio - 1 <= self.max_nll_increase
+
+    def describe(self) -> str:
+        if self.min_agreement is not None:
+            return f"teacher-forced agreement >= {self.min_agreement:g}"
+        return f"NLL increase <= {self.max_nll_increase:.1%}"
+
+
+@dataclass
+class CalibrationConfig:
+    target: QualityTarget
+    candidates: tuple[float, ...] = DEFAULT_CANDIDATES  # high_conf_threshold values
+    mode: str = "exit"
+    method: str = "ltt"  # or "empirical"
+    delta: float = 0.1  # LTT: allowed probability that a chosen threshold misses the target
+    objective: str = "speed"  # or "compute"
+    max_new_tokens: int = 64
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ltt", "empirical"):
+            raise ValueError(f"method must be 'ltt' or 'empirical', got {self.method!r}.")
+        if self.objective not in ("speed", "compute"):
+            raise ValueError(f"objective must be 'speed' or 'compute', got {self.objective!r}.")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {self.delta}.")
+        if not self.candidates or any(not 0 <= t <= 1 for t in self.candidates):
+            raise ValueError(f"candidates must be thresholds in [0, 1], got {self.candidates}.")
+
+
+@dataclass
+class Candidate:
+    threshold: float
+    tokens: int
+    disagreements: int
+    agreement: float
+    nll_ratio: float | None
+    speedup: float | None
+    compute_ratio: float | None
+    hit_rate: float
+    p_value: float | None = None  # LTT only
+    meets_target: bool = False  # valid under the method (bound or estimate)
+
+
+@dataclass
+class CalibrationResult:
+    target: str
+    method: str
+    chosen_threshold: float | None
+    candidates: list[Candidate]
+    calibration_prompts: list[str]
+    heldout_prompts: list[str]
+    heldout: dict[str, Any] = field(default_factory=dict)  # agreement, nll_ratio, speedup, ... of the chosen one
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        lines = [
+            f"target: {self.target}; method: {self.method}",
+            "| threshold | tokens | agreement | NLL ratio | speedup | compute | hit rate | p-value | valid |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for c in self.candidates:
+            p = "–" if c.p_value is None else f"{c.p_value:.3g}"
+            lines.append(
+                f"| {c.threshold:g}{' (chosen)' if c.threshold == self.chosen_threshold else ''} | {c.tokens} | "
+                f"{c.agreement:.3f} | {_fmt(c.nll_ratio)} | {_fmt(c.speedup)} | {_fmt(c.compute_ratio)} | "
+                f"{c.hit_rate:.2f} | {p} | {'yes' if c.meets_target else 'no'} |"
+            )
+        if self.heldout:
+            h = self.heldout
+            lines.append(
+                f"held out ({len(self.heldout_prompts)} prompts) at {self.chosen_threshold:g}: agreement "
+                f"{h['agreement']:.3f}, NLL ratio {_fmt(h['nll_ratio'])}, speedup {_fmt(h['speedup'])}x, compute "
+                f"{_fmt(h['compute_ratio'])}, hit rate {h['hit_rate']:.2f}; target met: {h['meets_target']}"
+            )
+        lines += self.notes
+        return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def binomial_cdf(k: int, n: int, p: float) -> float:
+    """P(Binomial(n, p) <= k), summed in log space (stable for n in the thousands)."""
+    if k >= n:
+        return 1.0
+    if p <= 0:
+        return 1.0
+    if p >= 1:
+        return 0.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    terms = [
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        for i in range(k + 1)
+    ]
+    top = max(terms)
+    return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
+
+
+def split_prompts(prompts: Sequence[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+    """Calibration and held-out halves: alternate within each category, so both cover every category."""
+    seen: dict[str, int] = {}
+    calibration, heldout = [], []
+    for item in prompts:
+        index = seen.get(item["category"], 0)
+        seen[item["category"]] = index + 1
+        (calibration if index % 2 == 0 else heldout).append(item)
+    if not calibration or not heldout:
+        raise ValueError("Calibration needs at least two prompts (one to calibrate on, one to check held out).")
+    return calibration, heldout
+
+
+def calibrate(
+    router: Any,
+    calibration_prompts: Sequence[dict[str, Any]],
+    heldout_prompts: Sequence[dict[str, Any]],
+    cfg: CalibrationConfig,
+    progress: bool = True,
+) -> CalibrationResult:
+    """Pick `high_conf_threshold` for `cfg.target` (see the module docstring); on success set it in `router.config`.
+
+    Returns the result whatever happens; `chosen_threshold` is None (and the router unchanged) when no candidate
+    meets the target.
+    """
+    notes = []
+    method = cfg.method
+    if method == "ltt" and cfg.target.min_agreement is None:
+        method = "empirical"
+        notes.append("An NLL target has an unbounded loss, so no Learn-then-Test bound: the empirical rule was used.")
+    bench_cfg = BenchConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        repeats=cfg.repeats,
+        modes=(cfg.mode,),
+        thresholds=tuple(cfg.candidates),
+        ngram=False,
+        engine_control=False,
+        assistant_early_exit=(),
+        prompt_lookup_num_tokens=0,
+    )
+    sweep = run_bench(router, calibration_prompts, bench_cfg, progress=progress)
+    rows = {row["threshold"]: row for row in sweep.summary if row["category"] == "all" and row["threshold"] is not None}
+    candidates = [_candidate(t, rows[t], sweep.records) for t in sorted(rows, reverse=True)]
+    epsilon = None if cfg.target.min_agreement is None else 1 - cfg.target.min_agreement
+    still_testing = True
+    for c in candidates:  # most conservative first: the order of the fixed-sequence test
+        if method == "ltt":
+            c.p_value = binomial_cdf(c.disagreements, c.tokens, epsilon) if c.tokens else 1.0
+            still_testing = still_testing and c.p_value <= cfg.delta
+            c.meets_target = still_testing
+        else:
+            c.meets_target = cfg.target.met(c.agreement, c.nll_ratio)
+    valid = [c for c in candidates if c.meets_target]
+    result = CalibrationResult(
+        target=cfg.target.describe() + (f" (with probability >= {1 - cfg.delta:g})" if method == "ltt" else ""),
+        method=method,
+        chosen_threshold=None,
+        candidates=candidates,
+        calibration_prompts=[p["id"] for p in calibration_prompts],
+        heldout_prompts=[p["id"] for p in heldout_prompts],
+        notes=notes,
+    )
+    if not valid:
+        result.notes.append(
+            "No candidate threshold meets the target on the calibration prompts: relax the target, use more "
+            "calibration prompts (a tighter bound), or use mode='verify' for output identical to the full model."
+        )
+        return result
+    if cfg.objective == "speed":
+        best = max(valid, key=lambda c: c.speedup or 0.0)
+    else:
+        best = min(valid, key=lambda c: c.compute_ratio if c.compute_ratio is not None else math.inf)
+    result.chosen_threshold = best.threshold
+    router.config = router.config.replace(**threshold_overrides(best.threshold))
+    if best.speedup is not None and best.speedup < 1:
+        result.notes.append(
+            f"The fastest valid threshold is slower than plain HF generation on this machine ({best.speedup:.2f}x): "
+            "the exit heads cost more than the layers they skip here (see `compute` and the README)."
+        )
+    check = run_bench(router, heldout_prompts, _heldout_config(bench_cfg), progress=progress)
+    row = next(r for r in check.summary if r["category"] == "all" and r["arm"] == f"router {cfg.mode} (loaded config)")
+    result.heldout = {
+        "agreement": row["teacher_forced_agreement"],
+        "nll_ratio": row["nll_ratio"],
+        "speedup": row["speedup"],
+        "compute_ratio": row["compute_ratio"],
+        "hit_rate": row["hit_rate"],
+        "tokens": row["tokens"],
+        "meets_target": cfg.target.met(row["teacher_forced_agreement"], row["nll_ratio"]),
+    }
+    return result
+
+
+def _heldout_config(cfg: BenchConfig) -> BenchConfig:
+    """The sweep's settings with no sweep: only the router's loaded (now calibrated) config runs."""
+    return BenchConfig(**{**asdict(cfg), "thresholds": ()})
+
+
+def _candidate(threshold: float, row: dict[str, Any], records: list) -> Candidate:
+    disagreements = sum(r.quality["disagreements"] for r in records if r.arm == row["arm"])
+    return Candidate(
+        threshold=threshold,
+        tokens=row["tokens"],
+        disagreements=disagreements,
+        agreement=row["teacher_forced_agreement"],
+        nll_ratio=row["nll_ratio"],
+        speedup=row["speedup"],
+        compute_ratio=row["compute_ratio"],
+        hit_rate=row["hit_rate"],
+    )

@@ -1,0 +1,177 @@
+"""`bench`, `calibrate` and `generate --trace` end to end on tiny random models (no speed is asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from early_exit_router import EarlyExitRouter
+from early_exit_router.bench import CONTROL, ENGINE_CONTROL, BenchConfig, run_bench
+from early_exit_router.calibrate import CalibrationConfig, QualityTarget, calibrate
+from early_exit_router.cli import main
+from early_exit_router.trace import render_trace, trace_legend
+
+from .conftest import tiny_llama, tiny_tokenizer
+
+PROMPTS = [
+    {"id": "t1", "category": "templated", "kind": "text", "prompt": "w5 w6 w7 w5 w6 w7 w5 w6"},
+    {"id": "c1", "category": "dialogue", "kind": "chat", "prompt": "w9 w10 w11"},
+    {"id": "t2", "category": "templated", "kind": "text", "prompt": "w20 w21 w22 w23"},
+    {"id": "c2", "category": "dialogue", "kind": "chat", "prompt": "w30 w31"},
+]
+MIXED_CONFIG = dict(exit_layers=[1, 3], low_conf_threshold=0.0, entropy_threshold=0.0)
+
+
+def tiny_router(seed: int = 0, **overrides) -> EarlyExitRouter:
+    return EarlyExitRouter.from_model(tiny_llama(seed), tiny_tokenizer(), **{**MIXED_CONFIG, **overrides})
+
+
+def test_bench_runs_every_arm_and_writes_json_and_png(tmp_path):
+    router = tiny_router(high_conf_threshold=0.07)
+    cfg = BenchConfig(max_new_tokens=8, thresholds=(0.05,), prompt_lookup_num_tokens=3, warmup=False)
+    result = run_bench(router, PROMPTS[:2], cfg, progress=False)
+
+    arms = [a.name for a in result.arms]
+    assert arms[:2] == [CONTROL, ENGINE_CONTROL]
+    expected = {"router exit (loaded config)", "router exit @0.05", "router verify @0.05"}
+    assert expected | {"router verify + n-gram (loaded config)"} <= set(arms)
+    assert "HF assisted, early exit 4" in arms and "HF prompt lookup 3" in arms
+    assert len(result.records) == len(arms) * 2
+    by_arm = {(row["category"], row["arm"]): row for row in result.summary}
+    assert {c for c, _ in by_arm} == {"templated", "dialogue", "all"}
+    control = by_arm[("all", CONTROL)]
+    assert control["speedup"] == pytest.approx(1.0)
+    assert control["compute_ratio"] == pytest.approx(1.0)  # the meter sees exactly one full pass per token
+    assert control["teacher_forced_agreement"] == 1.0 and control["nll_ratio"] == pytest.approx(1.0)
+    assert control["rouge_l"] == 1.0 and control["identical"] == 2
+    assert by_arm[("all", ENGINE_CONTROL)]["compute_ratio"] == pytest.approx(1.0)
+    for row in result.summary:
+        if "verify" in row["arm"] or row["arm"].startswith("HF"):
+            assert row["identical"] == row["runs"], row["arm"]  # lossless methods
+            assert row["teacher_forced_agreement"] == 1.0
+    exit_row = by_arm[("all", "router exit @0.05")]
+    assert exit_row["hit_rate"] > 0 and sum(exit_row["exit_histogram"].values()) == exit_row["tokens"]
+    assert 0 <= exit_row["teacher_forced_agreement"] <= 1
+    assert exit_row["ttft_ms"] is not None and exit_row["itl_p50_ms"] is not None
+    assert router.config.high_conf_threshold == 0.07  # the sweep restored the router's own config
+
+    result.write_json(tmp_path / "bench.json")
+    loaded = json.loads((tmp_path / "bench.json").read_text())
+    assert loaded["meta"]["prompts"] == 2 and len(loaded["records"]) == len(result.records)
+    result.plot(tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "### all" in result.markdown() and "| plain HF generate |" in result.markdown()
+
+
+def test_bench_refuses_bad_prompt_records():
+    router = tiny_router()
+    with pytest.raises(ValueError, match="lacks the field 'kind'"):
+        run_bench(router, [{"id": "x", "category": "a", "prompt": "w5"}], progress=False)
+    with pytest.raises(ValueError, match="kind must be 'text' or 'chat'"):
+        run_bench(router, [{"id": "x", "category": "a", "kind": "code", "prompt": "w5"}], progress=False)
+    with pytest.raises(ValueError, match="No prompts"):
+        run_bench(router, [], progress=False)
+
+
+CANDIDATES = (0.3, 0.12, 0.09, 0.07, 0.05, 0.03)
+
+
+@pytest.mark.parametrize("method", ["ltt", "empirical"])
+def test_calibrate_meets_its_target_on_its_calibration_split(method):
+    router = tiny_router(seed=1)
+    target = QualityTarget(min_agreement=0.6)
+    cfg = CalibrationConfig(target, candidates=CANDIDATES, method=method, delta=0.2, max_new_tokens=12)
+    result = calibrate(router, PROMPTS[:2], PROMPTS[2:], cfg, progress=False)
+    assert [c.threshold for c in result.candidates] == sorted(CANDIDATES, reverse=True)
+    valid = [c for c in result.candidates if c.meets_target]
+    assert valid, result.table()
+    assert result.chosen_threshold in [c.threshold for c in valid]
+    chosen = next(c for c in result.candidates if c.threshold == result.chosen_threshold)
+    assert chosen.agreement >= 0.6  # the target holds on the calibration split
+    if method == "ltt":
+        assert all(c.p_value is not None and c.p_value <= 0.2 for c in valid)
+        # fixed-sequence testing: the valid candidates are a prefix of the conservative-first order
+        assert result.candidates[: len(valid)] == valid
+    assert router.config.high_conf_threshold == router.config.low_conf_threshold == result.chosen_threshold
+    assert set(result.heldout) >= {"agreement", "nll_ratio", "speedup", "meets_target"}
+    assert "held out" in result.table()
+
+
+def test_calibrate_with_an_unreachable_target_chooses_nothing_and_keeps_the_config():
+    router = tiny_router(seed=1, high_conf_threshold=0.5)
+    cfg = CalibrationConfig(QualityTarget(min_agreement=1.0), candidates=(0.05, 0.03), max_new_tokens=12)
+    result = calibrate(router, PROMPTS[:2], PROMPTS[2:], cfg, progress=False)
+    assert result.chosen_threshold is None and not result.heldout
+    assert router.config.high_conf_threshold == 0.5
+    assert "No candidate threshold meets the target" in result.table()
+
+
+def test_trace_marks_depth_changes_in_plain_text_and_colours_for_terminals():
+    tok = tiny_tokenizer()
+    coloured, plain = render_trace(tok, [5, 6, 7, 8], [1, 1, 5, -1], num_layers=6, exit_layers=[1, 3])
+    assert plain == "[L1]w5 w6[full] w7[ngram] w8"
+    assert "\033[32mw5\033[0m" in coloured and "\033[35m w8\033[0m" in coloured
+    assert trace_legend(6, [1, 3], [1, 1, 5, -1], colour=False) == "depths: [ngram: 1]  [L1: 2]  [L3: 0]  [full: 1]"
+    with pytest.raises(ValueError, match="depths"):
+        render_trace(tok, [5, 6], [1], num_layers=6, exit_layers=[1])
+
+
+@pytest.fixture
+def tiny_folder(tmp_path):
+    folder = tmp_path / "tiny"
+    tiny_llama(0).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_cli_generate_trace_bench_and_calibrate(tiny_folder, tmp_path, capsys):
+    options = ["--exit-layers", "1,3", "--low-conf-threshold", "0", "--entropy-threshold", "0"]
+    args = ["generate", "w5 w6 w7", "--model", str(tiny_folder), "--no-chat", "--max-new-tokens", "6", "--trace"]
+    assert main(args + options + ["--high-conf-threshold", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "--- trace ---" in out and "depths: " in out and "[" in out.split("--- trace ---")[1]
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    bench_dir = tmp_path / "bench"
+    bench = ["bench", "--model", str(tiny_folder), "--prompts", str(prompts), "--max-new-tokens", "4"]
+    bench += ["--thresholds", "0.05", "--modes", "exit", "--no-ngram", "--assistant-early-exit", ""]
+    assert main(bench + ["--prompt-lookup", "0", "--out", str(bench_dir), "--quiet"] + options) == 0
+    assert (bench_dir / "bench.png").is_file()
+    assert {r["arm"] for r in json.loads((bench_dir / "bench.json").read_text())["summary"]} == {
+        CONTROL,
+        ENGINE_CONTROL,
+        "router exit (loaded config)",
+        "router exit @0.05",
+    }
+
+    calibrated = tmp_path / "calibrated"
+    calib = ["calibrate", "--model", str(tiny_folder), "--prompts", str(prompts), "--out", str(calibrated)]
+    calib += [
+        "--target-agreement",
+        "0.01",
+        "--method",
+        "empirical",
+        "--candidates",
+        "0.3,0.05",
+        "--max-new-tokens",
+        "6",
+    ]
+    assert main(calib + ["--quiet"] + options) == 0
+    report = json.loads((calibrated / "calibration_report.json").read_text())
+    reloaded = EarlyExitRouter.from_pretrained(calibrated)  # the saved folder carries the chosen threshold
+    assert reloaded.config.high_conf_threshold == report["chosen_threshold"]
+    assert main(["calibrate", "--model", str(tiny_folder), "--out", str(calibrated), "--target-agreement", "2"]) == 2
+
+
+def test_generate_output_reports_each_tokens_depth():
+    router = tiny_router(high_conf_threshold=0.05)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = router.generate(ids, max_new_tokens=10)
+    assert len(out.depths) == 10 and out.depths[0] == 5  # the prefill's token is always full depth
+    assert set(out.depths) <= {1, 3, 5}
+    assert sum(d != 5 for d in out.depths) / 10 == pytest.approx(out.stats.hit_rate)
+    with router.disabled():
+        assert router.generate(ids, max_new_tokens=4).depths == [5] * 4

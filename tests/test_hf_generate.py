@@ -1,0 +1,144 @@
+"""`model.generate()` on a patched model routes through the router, with HF's usual arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from early_exit_router import EarlyExitRouter
+
+from .conftest import MIXED, NEVER_EXIT, assert_cache_matches_full_forward, prompt, tiny_llama
+
+
+class Collect(BaseStreamer):
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def plain_generate(seed: int, *args, **kwargs):
+    """The same call on an unpatched copy of the same model."""
+    return tiny_llama(seed).generate(*args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["exit", "verify"])
+def test_never_exit_generate_equals_plain_generate(mode):
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode=mode, **NEVER_EXIT)
+    ids = prompt(0)
+    out = model.generate(ids, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, plain_generate(0, ids, max_new_tokens=20, do_sample=False))
+    assert router.last_stats is not None and router.last_stats.new_tokens == 20
+    assert router.last_stats.mode == mode
+
+
+def test_generate_routes_exits_and_verify_mode_stays_identical():
+    model = tiny_llama(1)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    ids = prompt(1)
+    routed = model.generate(ids, max_new_tokens=24, do_sample=False)
+    assert router.last_stats.hit_rate > 0  # tokens really left early
+    assert torch.equal(routed, router.generate(ids, max_new_tokens=24).sequences)  # the same engine
+    verify = GenerationConfig(max_new_tokens=24, do_sample=False, early_exit_mode="verify")
+    verified = model.generate(ids, generation_config=verify)
+    assert router.last_stats.mode == "verify" and router.last_stats.exited_checked > 0  # drafts were verified
+    assert torch.equal(verified, plain_generate(1, ids, max_new_tokens=24, do_sample=False))
+
+
+def test_sampling_with_never_exit_draws_the_same_tokens_as_plain_generate():
+    model = tiny_llama(2)
+    EarlyExitRouter.from_model(model, exit_layers=[2], **NEVER_EXIT)
+    ids = prompt(2)
+    kwargs = dict(max_new_tokens=16, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    plain = tiny_llama(2)  # built first: building a tiny model seeds the global generator
+    torch.manual_seed(7)
+    routed = model.generate(ids, **kwargs)
+    torch.manual_seed(7)
+    assert torch.equal(routed, plain.generate(ids, **kwargs))
+
+
+def test_processors_stopping_criteria_streamer_and_dict_output_work_as_in_hf():
+    model = tiny_llama(3)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **MIXED)
+    ids = prompt(3)
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= ids.shape[1] + 9, dtype=torch.bool)
+
+    reference = plain_generate(3, ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1] :]
+    banned = int(reference[2])
+    kwargs = dict(
+        max_new_tokens=30,
+        do_sample=False,
+        suppress_tokens=[banned],
+        repetition_penalty=1.3,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+    )
+    streamer = Collect()
+    out = model.generate(ids, stopping_criteria=StoppingCriteriaList([StopAfter()]), streamer=streamer, **kwargs)
+    plain = plain_generate(3, ids, stopping_criteria=StoppingCriteriaList([StopAfter()]), **kwargs)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.sequences.shape[1] == ids.shape[1] + 9 and banned not in out.sequences[0, ids.shape[1] :].tolist()
+    assert router.last_stats.exited_checked > 0  # drafts were proposed and verified on the way
+    assert len(out.scores) == len(plain.scores) == len(out.logits) == 9
+    for mine, theirs in zip(out.scores, plain.scores):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
+    for mine, theirs in zip(out.logits, plain.logits):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
+    assert streamer.puts[0] == ids[0].tolist() and streamer.ended
+    assert sum(streamer.puts[1:], []) == out.sequences[0, ids.shape[1] :].tolist()
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(num_beams=2), dict(prompt_lookup_num_tokens=3), dict(do_sample=False, num_return_sequences=1, num_beams=3)],
+)
+def test_modes_the_router_does_not_serve_run_plain_hf_generation(kwargs):
+    model = tiny_llama(4)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    ids = prompt(4)
+    out = model.generate(ids, max_new_tokens=10, **kwargs)
+    assert router.last_stats is None  # the router was not involved
+    assert torch.equal(out, plain_generate(4, ids, max_new_tokens=10, **kwargs))
+
+
+def test_a_batch_runs_plain_hf_generation():
+    model = tiny_llama(5)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    ids = torch.cat([prompt(5), prompt(6)])
+    streamer_free = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert router.last_stats is None
+    assert torch.equal(streamer_free, plain_generate(5, ids, max_new_tokens=8, do_sample=False))
+
+
+def test_unpatch_and_disabled_restore_plain_generate():
+    model = tiny_llama(6)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    assert "generate" in model.__dict__
+    with router.disabled() as plain:
+        assert "generate" not in plain.__dict__
+        plain.generate(prompt(6), max_new_tokens=4, do_sample=False)
+    assert router.last_stats is None and "generate" in model.__dict__
+    router.unpatch()
+    assert "generate" not in model.__dict__
+    assert model.generate.__func__ is type(model).generate
+
+
+def test_a_model_whose_generate_is_overridden_is_refused_untouched():
+    model = tiny_llama(7)
+    model.generate = lambda *a, **k: None
+    with pytest.raises(ValueError, match="del model.generate"):
+        EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    assert not hasattr(model, "early_exit_heads")
