@@ -2,6 +2,7 @@
 # The README's two commands:
 #   ./quickstart.sh generate ["prompt"] [options]   routed generation with the default model + statistics
 #   ./quickstart.sh test                            lint + the test suite (what CI runs)
+# Every other command of the CLI runs the same way: ./quickstart.sh bench, calibrate, export-draft, ...
 # The first run makes .venv and installs everything; later runs reuse it.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -32,9 +33,9 @@ setup() {
 command="${1:-help}"
 shift || true
 case "$command" in
-    generate)
+    generate|bench|calibrate|export-draft|train-heads|eval-heads)
         setup
-        exec "$VENV/bin/early-exit-router" generate "$@"
+        exec "$VENV/bin/early-exit-router" "$command" "$@"
         ;;
     test)
         setup
@@ -47,6 +48,7 @@ case "$command" in
         ;;
     *)
         echo "usage: ./quickstart.sh generate [\"prompt\"] [options] | test [pytest args] | setup" >&2
+        echo "       ./quickstart.sh bench | calibrate | export-draft | train-heads | eval-heads [options]" >&2
         echo "       ./quickstart.sh generate --help   lists every option" >&2
         exit 2
         ;;

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import _compat
 
-POSITION_STYLES = ("rotary_shared", "rotary_per_layer_type")
+POSITION_STYLES = ("rotary_shared", "rotary_per_layer_type", "learned")
 MASK_RULES = ("full", "layer_types", "sliding_window_config")
 
 
@@ -37,6 +37,7 @@ class ArchitectureSpec:
     final_norm: str
     lm_head: str
     rotary_emb: str | None = None
+    position_embed: str | None = None  # learned absolute positions added to the token embeddings (GPT-2)
     position_style: str = "rotary_shared"
     mask_rule: str = "full"
     embed_scale: str | None = None  # "sqrt_hidden" multiplies embeddings by sqrt(hidden_size) (Gemma)
@@ -48,6 +49,8 @@ class ArchitectureSpec:
             raise ValueError(f"patch {self.family}: unknown position_style {self.position_style!r}")
         if self.mask_rule not in MASK_RULES:
             raise ValueError(f"patch {self.family}: unknown mask_rule {self.mask_rule!r}")
+        if (self.position_style == "learned") != (self.position_embed is not None):
+            raise ValueError(f"patch {self.family}: position_style 'learned' goes with a position_embed module")
 
 
 def _patch_files() -> list[tuple[str, str]]:
@@ -119,6 +122,9 @@ class LayerStack:
         self.final_norm: nn.Module = operator.attrgetter(spec.final_norm)(model)
         self.lm_head: nn.Module = operator.attrgetter(spec.lm_head)(model)
         self.rotary_emb: nn.Module | None = operator.attrgetter(spec.rotary_emb)(model) if spec.rotary_emb else None
+        self.position_embed: nn.Module | None = (
+            operator.attrgetter(spec.position_embed)(model) if spec.position_embed else None
+        )
         self.num_layers = len(self.layers)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(self.lm_head.weight.shape[0])
@@ -148,11 +154,14 @@ class LayerStack:
     def new_cache(self) -> Any:
         return _compat.new_cache(self.config)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(1, q) token ids -> (1, q, hidden)."""
+    def embed(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """(b, q) token ids at positions start..start+q-1 -> (b, q, hidden)."""
         hidden = self.embed_tokens(input_ids)
         if self.spec.embed_scale == "sqrt_hidden":
             hidden = hidden * torch.tensor(math.sqrt(self.hidden_size), dtype=hidden.dtype)
+        if self.position_embed is not None:  # learned absolute positions; rotary models add theirs in attention
+            positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+            hidden = hidden + self.position_embed(positions).unsqueeze(0)
         return hidden
 
     def run(self, hidden: torch.Tensor, start: int, stop: int, cache: Any, positions: torch.Tensor) -> torch.Tensor:

@@ -231,6 +231,13 @@ class BenchResult:
             "records": [asdict(r) for r in self.records],
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
+        """Rebuild a result from `to_dict()` (e.g. bench.json), to render its table or plot again."""
+        arms = [Arm(**a) for a in data["arms"]]
+        records = [RunRecord(**r) for r in data["records"]]
+        return cls(data["meta"], arms, records, data["summary"])
+
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
@@ -467,25 +474,49 @@ def format_markdown(result: BenchResult) -> str:
         f"machine: {meta['machine']}; {meta['dtype']}; torch {meta['torch']}, transformers {meta['transformers']}",
         f"{meta['prompts']} prompts, {meta['bench_config']['max_new_tokens']} new tokens max, greedy, "
         f"{meta['bench_config']['repeats']} repeat(s); speedup = tokens/s over the control's in the same run; "
-        "compute = decode multiply-adds per token over the full model's; agreement = teacher-forced agreement "
-        "with the full model; NLL = full-model NLL of the output over the control's.",
+        "compute = decode multiply-adds per token over the full model's; exits = share of tokens per shallow "
+        "depth; agreement = teacher-forced agreement with the full model; NLL = full-model NLL of the output over "
+        "the control's; token match and 1st diff (median first differing position) compare with the control.",
     ]
-    header = (
-        "| arm | tok/s | speedup | hit rate | compute | agreement | NLL ratio | ROUGE-L | identical | "
-        "TTFT ms | ITL p50/p99 ms | routing | peak MB |"
-    )
+    columns = [
+        "arm", "tok/s", "speedup", "hit rate", "exits", "compute", "agreement", "NLL ratio", "ROUGE-L",
+        "token match", "1st diff", "identical", "TTFT ms", "ITL p50/p99 ms", "routing", "peak MB",
+    ]  # fmt: skip
+    num_layers = meta["num_layers"]
     for category in dict.fromkeys(row["category"] for row in result.summary):
         rows = [row for row in result.summary if row["category"] == category]
-        lines += ["", f"### {category}", "", header, "|" + "---|" * 13]
+        lines += ["", f"### {category}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         for row in rows:
-            lines.append(
-                f"| {row['arm']} | {row['tokens_per_s']:.1f} | {_fmt(row['speedup'])}x | {row['hit_rate']:.2f} | "
-                f"{_fmt(row['compute_ratio'])} | {row['teacher_forced_agreement']:.3f} | {_fmt(row['nll_ratio'])} | "
-                f"{_fmt(row['rouge_l'])} | {row['identical']}/{row['runs']} | {_fmt(row['ttft_ms'], '.0f')} | "
-                f"{_fmt(row['itl_p50_ms'], '.0f')}/{_fmt(row['itl_p99_ms'], '.0f')} | "
-                f"{_fmt(row['routing_overhead'], '.1%')} | {_fmt(row['peak_memory_mb'], '.0f')} |"
-            )
+            cells = [
+                row["arm"],
+                f"{row['tokens_per_s']:.1f}",
+                f"{_fmt(row['speedup'])}x",
+                f"{row['hit_rate']:.2f}",
+                _histogram(row["exit_histogram"], row["tokens"], num_layers),
+                _fmt(row["compute_ratio"]),
+                f"{row['teacher_forced_agreement']:.3f}",
+                _fmt(row["nll_ratio"]),
+                _fmt(row["rouge_l"]),
+                _fmt(row["token_match"]),
+                _fmt(row["first_divergence_median"], ".0f"),
+                f"{row['identical']}/{row['runs']}",
+                _fmt(row["ttft_ms"], ".0f"),
+                f"{_fmt(row['itl_p50_ms'], '.0f')}/{_fmt(row['itl_p99_ms'], '.0f')}",
+                _fmt(row["routing_overhead"], ".1%"),
+                _fmt(row["peak_memory_mb"], ".0f"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _histogram(histogram: dict, tokens: int, num_layers: int) -> str:
+    """Share of tokens per shallow depth, e.g. 'L12 .10, L24 .15, ngram .05' ('–' when nothing exited)."""
+    parts = []
+    for layer, count in sorted((int(k), v) for k, v in histogram.items()):
+        if layer != num_layers - 1 and count:
+            share = f"{count / max(1, tokens):.2f}".lstrip("0")
+            parts.append(f"{'ngram' if layer < 0 else f'L{layer}'} {share}")
+    return ", ".join(parts) or "–"
 
 
 def plot_tradeoff(result: BenchResult, path: str | Path) -> None:

@@ -35,6 +35,14 @@ def _add_router_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=kind, default=None, help=help_text)
 
 
+def _add_load_options(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --device, for commands whose speed or numbers depend on where the model runs."""
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="Model dtype (default: float32)."
+    )
+    parser.add_argument("--device", default=None, help="Device, e.g. cpu or cuda (default: cpu).")
+
+
 def _router_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {
         f.name: getattr(args, f.name)
@@ -83,10 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None, help="Nucleus sampling mass.")
     gen.add_argument("--seed", type=int, default=None, help="Seed for reproducible sampling.")
     gen.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
-    gen.add_argument(
-        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="Model dtype (default: float32)."
-    )
-    gen.add_argument("--device", default=None, help="Device, e.g. cpu or cuda (default: cpu).")
+    _add_load_options(gen)
     gen.add_argument("--stream", action="store_true", help="Print tokens as they become final.")
     gen.add_argument(
         "--compare",
@@ -180,15 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens; 0 skips (default: %(default)s)."
     )
     bench.add_argument("--out", default="bench-results", help="Folder for bench.json and bench.png.")
-    bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="Model dtype.")
-    bench.add_argument("--device", default=None, help="Device, e.g. cpu or cuda (default: cpu).")
+    _add_load_options(bench)
     bench.add_argument("--quiet", action="store_true", help="No progress bar.")
     _add_router_options(bench)
 
     calib = sub.add_parser(
         "calibrate",
         help="Choose the exit threshold that is fastest while meeting a quality target; save it with the heads.",
-        description="Sweep high_conf_threshold on a calibration half of the prompts against plain HF greedy, keep "
+        description="Sweep a confidence threshold (high = low, no entropy band) on a calibration half of the "
+        "prompts against plain HF greedy, keep "
         "the thresholds that meet the target (Learn-then-Test binomial bound for agreement targets, empirical for "
         "NLL), pick the fastest, check it on the held-out half, and save the router with it.",
     )
@@ -206,7 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     calib.add_argument("--max-new-tokens", type=int, default=64, help="New tokens per prompt (default: %(default)s).")
     calib.add_argument("--quiet", action="store_true", help="No progress bar.")
+    _add_load_options(calib)
     _add_router_options(calib)
+
+    export = sub.add_parser(
+        "export-draft",
+        help="Write one exit (its first layers, norm and LM head with the adapter folded in) as an HF checkpoint.",
+        description="Export exit layer E as a standalone HF model of E + 1 layers in the base architecture, for "
+        "serving engines that take a separate draft model (vLLM draft_model, SGLang STANDALONE). The adapter must "
+        "fold exactly: 'postnorm' or 'identity' heads.",
+    )
+    export.add_argument("--model", default=DEFAULT_MODEL, help="Alias or saved router folder with the heads.")
+    export.add_argument("--exit-layer", type=int, required=True, help="The exit to export (0-based layer index).")
+    export.add_argument("--out", required=True, help="Folder for the draft model.")
     return parser
 
 
@@ -400,7 +417,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         objective=args.objective,
         max_new_tokens=args.max_new_tokens,
     )
-    router = EarlyExitRouter.from_pretrained(args.model, **_router_overrides(args))
+    router = EarlyExitRouter.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, **_router_overrides(args)
+    )
     print(router.describe(), file=sys.stderr)
     calibration, heldout = split_prompts(load_prompts(args.prompts, shipped=CALIBRATION_PROMPTS))
     result = calibrate(router, calibration, heldout, cfg, progress=not args.quiet)
@@ -411,6 +430,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     router.save_pretrained(args.out)
     (Path(args.out) / "calibration_report.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     print(f"saved to {args.out} with high_conf_threshold={router.config.high_conf_threshold:g}")
+    return 0
+
+
+def cmd_export_draft(args: argparse.Namespace) -> int:
+    from .export import export_draft
+    from .router import EarlyExitRouter
+
+    router = EarlyExitRouter.from_pretrained(args.model)
+    print(router.describe(), file=sys.stderr)
+    result = export_draft(router, args.exit_layer, args.out)
+    print(
+        f"wrote {result.path}: {result.num_layers} of {result.base_layers} layers, {result.parameters:,} parameters "
+        f"({result.bytes / 2**20:.0f} MiB in {result.dtype}), {result.adapter} adapter folded into the LM head"
+    )
+    snippets = result.serving_snippets()
+    print(f"vLLM:   {snippets['vllm']}  # speculative_config, beside the base model\nSGLang: {snippets['sglang']}")
     return 0
 
 
@@ -429,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "calibrate":
             return cmd_calibrate(args)
+        if args.command == "export-draft":
+            return cmd_export_draft(args)
     except (ValueError, FileNotFoundError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

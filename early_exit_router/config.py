@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("exit", "verify")
-ADAPTER_KINDS = ("identity", "linear", "lowrank")
+ADAPTER_KINDS = ("identity", "linear", "lowrank", "postnorm")
 
 
 @dataclass
@@ -106,7 +106,8 @@ class RouterConfig:
         default="linear",
         metadata={
             "help": "Exit adapter kind: 'identity' (logit lens, no parameters), 'linear' (residual full-rank "
-            "affine, tuned-lens style) or 'lowrank' (residual low-rank)."
+            "affine before the final norm, tuned-lens style), 'lowrank' (residual low-rank) or 'postnorm' "
+            "(residual full-rank map after the final norm; export-draft folds it exactly into the LM head)."
         },
     )
     adapter_rank: int = field(
@@ -143,6 +144,18 @@ class RouterConfig:
             "falls below this (in [0, 1]); 0 turns the warning off. The statistics always carry the minimum seen."
         },
     )
+    controller_target: float | None = field(
+        default=None,
+        metadata={
+            "help": "Threshold controller: after every deep pass, shift both confidence thresholds up by "
+            "controller_step while the rolling agreement of exited tokens (over the last monitor_window checks) is "
+            "below this, and down by the same step while it is above; in [0, 1]. None keeps the thresholds fixed."
+        },
+    )
+    controller_step: float = field(
+        default=0.01,
+        metadata={"help": "Threshold controller: how far one deep pass moves the thresholds (in (0, 1])."},
+    )
     heads_trained: bool = field(
         default=False,
         metadata={
@@ -171,6 +184,10 @@ class RouterConfig:
             "monitor_min_agreement",
         ):
             _check_unit_interval(name, getattr(self, name))
+        if self.controller_target is not None:
+            _check_unit_interval("controller_target", self.controller_target)
+        if not 0 < self.controller_step <= 1:
+            raise ValueError(f"controller_step must be in (0, 1], got {self.controller_step!r}.")
         if self.low_conf_threshold > self.high_conf_threshold:
             raise ValueError(
                 f"low_conf_threshold ({self.low_conf_threshold}) is above high_conf_threshold "

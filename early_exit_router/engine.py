@@ -28,7 +28,7 @@ from transformers.utils import logging
 from . import _compat
 from .architecture import LayerStack
 from .config import RouterConfig
-from .heads import ExitHeads
+from .heads import ExitHeads, exit_logits
 from .routing import FULL_DEPTH, Router, RoutingState
 from .sampling import TokenSelector
 from .stats import GenerationStats
@@ -190,7 +190,7 @@ class Engine:
             state.forced += 1
         target = None if forced else router.block_target(state.routing)
 
-        hidden: torch.Tensor | None = stack.embed(state.seq[:, q : q + 1])  # (1, 1, hidden)
+        hidden: torch.Tensor | None = stack.embed(state.seq[:, q : q + 1], q)  # (1, 1, hidden)
         chunk_start = q
         for i in range(len(self.exits) + 1):
             hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, q + 1)
@@ -244,7 +244,7 @@ class Engine:
                 state.draft_probs[q + k] = point_mass[0].exp()
             token = torch.tensor([token_id], device=self.stack.device)
             self._append(state, token, token_id, NGRAM_LAYER, point_mass, request)
-        embedded = self.stack.embed(state.seq[:, q : q + len(proposal)])  # (1, m, hidden): positions q..q+m-1
+        embedded = self.stack.embed(state.seq[:, q : q + len(proposal)], q)  # (1, m, hidden): positions q..q+m-1
         waiting = state.buffers[0]
         state.buffers[0] = embedded if waiting is None else torch.cat([waiting, embedded], dim=1)
         return True
@@ -270,7 +270,7 @@ class Engine:
             state.routing_s += time.perf_counter() - t0
             if not allowed:
                 return False
-        logits = self.stack.unembed(self.stack.final_norm(self.heads.adapter(layer)(last)))  # (1, vocab)
+        logits = exit_logits(self.stack, self.heads.adapter(layer), last)  # (1, vocab)
         # Greedy: choose before deciding, so that one host sync fetches the flag, confidence and token together.
         # Sampling: draw only once the token exits, so the generator serves emitted tokens alone (never-exit
         # sampling then draws exactly what HF sampling draws from the same seed).
@@ -278,7 +278,7 @@ class Engine:
         chosen: list[float] = []  # the token id, when the decision's sync fetched it
         if target is None:
             t0 = time.perf_counter()
-            exit_flag, confidence = router.head_signal(logits[0])
+            exit_flag, confidence = router.head_signal(logits[0], state.routing.threshold_shift)
             signals = [exit_flag.double(), confidence.double()]
             flag, conf, *chosen = torch.stack(
                 signals + ([] if token is None else [token.reshape(()).double()])
@@ -441,6 +441,9 @@ class Engine:
             state.agreed_by_exit[i] += int(ok)
             state.recent_matches.append(bool(ok))
         window = self.config.monitor_window
+        if matches and state.recent_matches:
+            # the controller acts on whatever history there is; the monitor waits for a full window
+            self.router.adjust(state.routing, sum(state.recent_matches) / len(state.recent_matches))
         if len(state.recent_matches) < window:
             return
         rolling = sum(state.recent_matches) / window
@@ -529,6 +532,7 @@ class Engine:
             mean_accepted_length=state.accepted / state.verify_passes if state.verify_passes else 0.0,
             min_rolling_agreement=state.min_rolling_agreement if checked >= self.config.monitor_window else None,
             monitor_warned=state.monitor_warned,
+            threshold_shift=state.routing.threshold_shift,
             wall_time_s=wall,
             prefill_s=prefill_s,
             tokens_per_s=new / wall if wall > 0 else 0.0,

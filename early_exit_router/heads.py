@@ -1,11 +1,17 @@
-"""Exit heads: a small residual adapter per exit layer, in front of the model's own final norm and LM head.
+"""Exit heads: a small residual adapter per exit layer, around the model's own final norm and LM head.
 
 Adapters are zero-initialised residual maps, so an untrained head is exactly the logit lens
 (`lm_head(final_norm(h_e))`). Only the adapters (and optional learned gates) are parameters of their own: the final
 norm and LM head are the base model's, shared and never copied.
+
+Most adapters sit before the final norm (`lm_head(final_norm(A h))`, tuned-lens style). The `postnorm` adapter sits
+after it (`lm_head(M final_norm(h))`, no bias), which is what lets `export-draft` fold it exactly into a standalone
+checkpoint's LM head (`lm_head.weight @ M`); a map before a normalisation cannot be folded into stock modules.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,12 +20,16 @@ from torch import nn
 class IdentityAdapter(nn.Module):
     """No parameters: the logit lens."""
 
+    post_norm = False
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
 
 
 class LinearAdapter(nn.Module):
     """`h + W h + b`, zero-initialised (tuned-lens style translator)."""
+
+    post_norm = False
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
@@ -34,6 +44,8 @@ class LinearAdapter(nn.Module):
 class LowRankAdapter(nn.Module):
     """`h + B A h + b` with rank r; `B` and `b` start at zero so the untrained head is the logit lens."""
 
+    post_norm = False
+
     def __init__(self, hidden_size: int, rank: int) -> None:
         super().__init__()
         self.down = nn.Linear(hidden_size, rank, bias=False)
@@ -44,6 +56,34 @@ class LowRankAdapter(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.up(self.down(hidden))
+
+
+class PostNormAdapter(nn.Module):
+    """`x + W x` on the final norm's output, zero-initialised and without bias, so that it folds into the LM head."""
+
+    post_norm = True
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        nn.init.zeros_(self.proj.weight)
+
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        return normed + self.proj(normed)
+
+    def folded_matrix(self) -> torch.Tensor:
+        """M = I + W, so that `lm_head(M x) = (lm_head.weight @ M) x`."""
+        eye = torch.eye(self.proj.weight.shape[0], dtype=self.proj.weight.dtype, device=self.proj.weight.device)
+        return eye + self.proj.weight
+
+
+def exit_logits(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
+    """Exit-head logits `(..., vocab)` for hidden states `(..., hidden)`; adapter None is the logit lens."""
+    if adapter is None:
+        return stack.unembed(stack.final_norm(hidden))
+    if getattr(adapter, "post_norm", False):
+        return stack.unembed(adapter(stack.final_norm(hidden)))
+    return stack.unembed(stack.final_norm(adapter(hidden)))
 
 
 class LearnedGate(nn.Module):
@@ -73,6 +113,8 @@ def make_adapter(kind: str, hidden_size: int, rank: int) -> nn.Module:
         return LinearAdapter(hidden_size)
     if kind == "lowrank":
         return LowRankAdapter(hidden_size, rank)
+    if kind == "postnorm":
+        return PostNormAdapter(hidden_size)
     raise ValueError(f"Unknown adapter kind {kind!r}")
 
 

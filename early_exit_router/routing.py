@@ -34,6 +34,7 @@ class RoutingState:
     recent_confidences: deque = field(default_factory=deque)
     block_remaining: int = 0
     block_target: int = FULL_DEPTH  # exit index chosen by the block's first token, or FULL_DEPTH
+    threshold_shift: float = 0.0  # the controller's offset on both confidence thresholds
 
 
 class Router:
@@ -85,17 +86,29 @@ class Router:
             entropy = entropy / self.log_vocab
         return probs.amax(dim=-1), entropy
 
-    def exit_rule(self, confidence: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-        """The confidence -> entropy cascade as a bool tensor."""
+    def exit_rule(self, confidence: torch.Tensor, entropy: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+        """The confidence -> entropy cascade as a bool tensor; `shift` moves both confidence thresholds."""
         cfg = self.config
-        return (confidence >= cfg.high_conf_threshold) | (
-            (confidence >= cfg.low_conf_threshold) & (entropy <= cfg.entropy_threshold)
-        )
+        high = min(1.0, max(0.0, cfg.high_conf_threshold + shift))
+        low = min(1.0, max(0.0, cfg.low_conf_threshold + shift))
+        return (confidence >= high) | ((confidence >= low) & (entropy <= cfg.entropy_threshold))
 
-    def head_signal(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def head_signal(self, logits: torch.Tensor, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., vocab) head logits -> (exit flags, confidences) of shape (...), on the logits' device (no sync)."""
         confidence, entropy = self.confidence_entropy(logits)
-        return self.exit_rule(confidence, entropy), confidence
+        return self.exit_rule(confidence, entropy, shift), confidence
+
+    def adjust(self, state: RoutingState, rolling_agreement: float) -> None:
+        """Threshold controller: one step toward `controller_target` (stricter below it, looser above it).
+
+        The shift stays within what can matter: thresholds clamp to [0, 1] in `exit_rule`.
+        """
+        cfg = self.config
+        if cfg.controller_target is None:
+            return
+        step = cfg.controller_step if rolling_agreement < cfg.controller_target else -cfg.controller_step
+        low_bound, high_bound = -cfg.high_conf_threshold, 1.0 - cfg.low_conf_threshold
+        state.threshold_shift = min(high_bound, max(low_bound, state.threshold_shift + step))
 
     def record_exit(self, state: RoutingState, confidence: float) -> None:
         if self.config.confidence_window:

@@ -26,6 +26,7 @@ class GenerationStats:
     mean_accepted_length: float = 0.0  # verify mode: accepted drafts per verifying deep pass
     min_rolling_agreement: float | None = None  # lowest agreement over `monitor_window` consecutive checks
     monitor_warned: bool = False  # the monitor's agreement bound was crossed
+    threshold_shift: float = 0.0  # where the threshold controller left both confidence thresholds (0: off)
     wall_time_s: float = 0.0
     prefill_s: float = 0.0
     tokens_per_s: float = 0.0  # new_tokens / wall_time_s
@@ -61,6 +62,7 @@ class GenerationStats:
                     else ""
                 ),
                 f"deep passes {self.deep_passes} (mean fill chunk {self.mean_fill_chunk:.2f}, "
-                f"forced {self.forced_deep}); routing overhead {self.routing_overhead:.1%}",
+                f"forced {self.forced_deep}); routing overhead {self.routing_overhead:.1%}"
+                + (f"; controller moved the thresholds by {self.threshold_shift:+.2f}" if self.threshold_shift else ""),
             ]
         )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .heads import LearnedGate
+from .heads import LearnedGate, exit_logits
 
 
 @dataclass
@@ -91,11 +91,8 @@ def build_cache(
 
 
 def head_logits(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
-    """Exit-head logits (N, vocab) for hidden states (N, hidden); adapter None is the logit lens."""
-    hidden = hidden.to(device=stack.device, dtype=stack.dtype)
-    if adapter is not None:
-        hidden = adapter(hidden)
-    return stack.unembed(stack.final_norm(hidden)).float()
+    """Exit-head logits (N, vocab) in float32 for cached hidden states (N, hidden); adapter None is the logit lens."""
+    return exit_logits(stack, adapter, hidden.to(device=stack.device, dtype=stack.dtype)).float()
 
 
 def distillation_loss(

@@ -7,6 +7,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    GPT2Config,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -48,6 +49,8 @@ FAMILIES = {
     "gemma3_text": lambda: Gemma3TextConfig(
         **COMMON, head_dim=8, sliding_window=5, sliding_window_pattern=3, final_logit_softcapping=30.0
     ),
+    # Learned absolute positions, LayerNorm, Conv1D projections, transformer.h layout.
+    "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=32, n_inner=64, n_layer=6, n_head=4, n_positions=512),
 }
 
 
@@ -81,6 +84,10 @@ def test_family_contract(family):
     assert torch.equal(out.sequences, ref), "verify differs from greedy"
     assert out.stats.exited_checked > 0
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+    router.config = router.config.replace(mode="verify")  # model.generate() itself routes, losslessly
+    assert torch.equal(model.generate(ids, max_new_tokens=24, do_sample=False), ref), "generate() differs"
+    assert router.last_stats is not None and router.last_stats.exited_checked > 0
 
     assert router.unpatch() is model
     assert_same_model(before, model_fingerprint(model))

@@ -393,3 +393,34 @@ def test_verify_with_heads_that_are_never_right_rejects_every_draft():
     assert out.stats.exited_checked > 0 and out.stats.rejected_drafts == out.stats.exited_checked
     assert out.stats.agreement == 0.0 and out.stats.hit_rate == 0.0
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_threshold_controller_steers_toward_the_target_agreement():
+    model = tiny_llama(1)
+    ids = prompt(1)
+    loose = dict(exit_layers=[1, 3], high_conf_threshold=0.05, low_conf_threshold=0.05, entropy_threshold=0.0)
+    router = EarlyExitRouter.from_model(model, **loose)
+    free = router.generate(ids, max_new_tokens=60).stats
+    assert free.threshold_shift == 0.0 and free.agreement < 0.9  # the loose threshold exits wrongly often
+
+    router.config = router.config.replace(controller_target=0.9, controller_step=0.01)
+    strict = router.generate(ids, max_new_tokens=60).stats
+    assert strict.threshold_shift > 0  # agreement below target: thresholds went up
+    assert strict.hit_rate < free.hit_rate
+    assert "controller moved the thresholds by +" in strict.summary()
+
+    router.config = router.config.replace(controller_target=0.0)  # any agreement will do: thresholds come down
+    eager = router.generate(ids, max_new_tokens=60).stats
+    assert eager.threshold_shift < 0 and eager.hit_rate >= free.hit_rate
+
+    router.config = router.config.replace(mode="verify", controller_target=0.9)  # lossless whatever it does
+    with router.disabled() as plain:
+        ref = plain.generate(ids, max_new_tokens=60, do_sample=False)
+    assert torch.equal(router.generate(ids, max_new_tokens=60).sequences, ref)
+
+
+def test_controller_settings_are_validated():
+    with pytest.raises(ValueError, match="controller_target"):
+        EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1], controller_target=1.5)
+    with pytest.raises(ValueError, match="controller_step"):
+        EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1], controller_step=0.0)

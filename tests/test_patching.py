@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import OPTConfig, OPTForCausalLM
 
 from early_exit_router import EarlyExitRouter, RouterConfig
 
@@ -90,11 +90,14 @@ def test_bad_config_leaves_the_model_untouched(model, kwargs, error, message):
 
 
 def test_unsupported_architecture_lists_the_supported_ones():
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=32))
-    before = model_fingerprint(gpt2)
-    with pytest.raises(ValueError, match="Unsupported architecture 'gpt2'.*Supported model_type values: .*llama"):
-        EarlyExitRouter.from_model(gpt2, config=RouterConfig(exit_layers=[0]))
-    assert_same_model(before, model_fingerprint(gpt2))
+    config = OPTConfig(
+        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, ffn_dim=32, vocab_size=50, word_embed_proj_dim=16
+    )
+    opt = OPTForCausalLM(config)
+    before = model_fingerprint(opt)
+    with pytest.raises(ValueError, match="Unsupported architecture 'opt'.*Supported model_type values: .*gpt2.*llama"):
+        EarlyExitRouter.from_model(opt, config=RouterConfig(exit_layers=[0]))
+    assert_same_model(before, model_fingerprint(opt))
 
 
 def test_a_base_model_without_lm_head_is_refused():

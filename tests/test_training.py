@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
@@ -45,10 +46,11 @@ def test_cache_holds_the_model_own_hidden_states():
     assert cache.next_token[:31].tolist() == seqs[0][1:] and cache.next_token[31] == -1
 
 
-def test_a_few_steps_lower_the_distillation_loss_and_leave_the_base_frozen():
+@pytest.mark.parametrize("adapter", ["linear", "postnorm"])
+def test_a_few_steps_lower_the_distillation_loss_and_leave_the_base_frozen(adapter):
     model = tiny_llama(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter=adapter)
     cache = build_cache(router._stack, [1, 3], corpus(), chunk_len=64, progress=False)
     start = {e: mean_kl(router, cache, e) for e in (1, 3)}
     report = train_heads(router, cache, TrainingConfig(max_steps=40, batch_tokens=128, lr=1e-2), progress=False)

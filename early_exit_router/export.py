@@ -1,0 +1,116 @@
+"""`export-draft`: one exit as a standalone HF checkpoint, for serving engines that take a separate draft model.
+
+No serving engine runs per-token exits; vLLM (`speculative_config={"method": "draft_model", ...}`) and SGLang
+(`--speculative-algorithm STANDALONE`) accept a separate draft model. The draft is the first `E + 1` layers of the
+base model (exit layer `E`), its embeddings, final norm and LM head, in the base model's own architecture and
+dtype, so any engine that serves the base model also loads the draft.
+
+The exit's adapter must fold into stock modules exactly: the logit lens (`identity`) needs nothing, and the
+`postnorm` adapter `M` becomes the LM head `lm_head.weight @ M` (the head is then untied from the embeddings).
+Adapters before the final norm (`linear`, `lowrank`) cannot be folded through the normalisation, so they are
+refused rather than exported approximately.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .router import HEADS_ATTR
+
+FOLDABLE_ADAPTERS = ("identity", "postnorm")
+
+
+@dataclass
+class DraftExport:
+    """What `export_draft` wrote."""
+
+    path: str
+    exit_layer: int
+    num_layers: int  # layers kept (exit_layer + 1)
+    base_layers: int
+    adapter: str
+    parameters: int  # of the draft (tied embeddings counted once)
+    bytes: int  # parameter memory of the draft in its dtype
+    dtype: str
+
+    def serving_snippets(self) -> dict[str, str]:
+        """How to hand the draft to vLLM and SGLang beside the base model."""
+        return {
+            "vllm": (
+                "LLM(model=BASE, speculative_config={'method': 'draft_model', "
+                f"'model': '{self.path}', 'num_speculative_tokens': 4}})"
+            ),
+            "sglang": (
+                "python -m sglang.launch_server --model-path BASE --speculative-algorithm STANDALONE "
+                f"--speculative-draft-model-path {self.path} --speculative-num-steps 4 "
+                "--speculative-eagle-topk 1 --speculative-num-draft-tokens 5"
+            ),
+        }
+
+
+def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
+    """Write exit `exit_layer` of `router` as a standalone HF model folder at `out` (model, tokenizer, notes)."""
+    if exit_layer not in router.exit_layers:
+        raise ValueError(f"Layer {exit_layer} has no exit head; exit layers are {router.exit_layers}.")
+    adapter_kind = router.config.adapter
+    if adapter_kind not in FOLDABLE_ADAPTERS:
+        raise ValueError(
+            f"The {adapter_kind!r} adapter sits before the final norm and cannot be folded into a standard "
+            f"checkpoint exactly. Export heads trained with --adapter postnorm (or the logit lens, "
+            f"--adapter identity); adapters that fold: {', '.join(FOLDABLE_ADAPTERS)}."
+        )
+    model, stack, spec = router.model, router._stack, router._stack.spec
+    keep = exit_layer + 1
+    config = copy.deepcopy(model.config)
+    base_layers = config.num_hidden_layers
+    for name, value in list(vars(config).items()):  # per-layer lists (layer_types, ...) follow the depth
+        if isinstance(value, list) and len(value) == base_layers:
+            setattr(config, name, value[:keep])
+    config.num_hidden_layers = keep
+    folded = adapter_kind == "postnorm"
+    if folded:
+        config.tie_word_embeddings = False
+
+    state = {}
+    layer_prefix = spec.layers + "."
+    for key, tensor in model.state_dict().items():
+        if key.startswith(HEADS_ATTR + "."):
+            continue
+        if key.startswith(layer_prefix) and int(key[len(layer_prefix) :].split(".", 1)[0]) >= keep:
+            continue
+        state[key] = tensor
+    if folded:
+        matrix = router.heads.adapter(exit_layer).folded_matrix()
+        with torch.no_grad():  # (vocab, hidden) @ (hidden, hidden): lm_head(M x) == (W M) x
+            state[f"{spec.lm_head}.weight"] = (stack.lm_head.weight.float() @ matrix.float()).to(stack.dtype)
+
+    draft = type(model)(config).to(dtype=stack.dtype)
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == f"{spec.lm_head}.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"Draft checkpoint does not fit its config: missing {missing}, unexpected {unexpected}.")
+    draft.generation_config = copy.deepcopy(model.generation_config)
+    out = Path(out)
+    draft.save_pretrained(out)
+    if router.tokenizer is not None:
+        router.tokenizer.save_pretrained(out)
+    params = {id(p): p for p in draft.parameters()}.values()
+    result = DraftExport(
+        path=str(out.resolve()),
+        exit_layer=exit_layer,
+        num_layers=keep,
+        base_layers=base_layers,
+        adapter=adapter_kind,
+        parameters=sum(p.numel() for p in params),
+        bytes=sum(p.numel() * p.element_size() for p in params),
+        dtype=str(stack.dtype).replace("torch.", ""),
+    )
+    info = {**asdict(result), "source": router.name_or_path, "serving": result.serving_snippets()}
+    (out / "draft_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return result
