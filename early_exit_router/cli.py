@@ -193,9 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate",
         help="Choose the exit threshold that is fastest while meeting a quality target; save it with the heads.",
         description="Sweep a confidence threshold (high = low, no entropy band) on a calibration half of the "
-        "prompts against plain HF greedy, keep "
-        "the thresholds that meet the target (Learn-then-Test binomial bound for agreement targets, empirical for "
-        "NLL), pick the fastest, check it on the held-out half, and save the router with it.",
+        "prompts against plain HF greedy, keep the thresholds that meet the target (Learn-then-Test binomial bound "
+        "for agreement targets, empirical for NLL), pick the fastest, check it on the held-out half, and save the "
+        "router with it.",
     )
     calib.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
     calib.add_argument("--out", required=True, help="Folder to save the calibrated router into.")

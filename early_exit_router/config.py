@@ -103,7 +103,7 @@ class RouterConfig:
         metadata={"help": "Use learned gates where the checkpoint has them. False ignores them."},
     )
     adapter: str = field(
-        default="linear",
+        default="postnorm",
         metadata={
             "help": "Exit adapter kind: 'identity' (logit lens, no parameters), 'linear' (residual full-rank "
             "affine before the final norm, tuned-lens style), 'lowrank' (residual low-rank) or 'postnorm' "
