@@ -167,14 +167,14 @@ class RunRecord:
 
 
 class _Runner:
-    """Runs arms on prompts with one ComputeMeter attached, keeping the router's config intact."""
+    """Runs one arm on one prompt, leaving the router's config as it found it."""
 
     def __init__(self, router: Any, max_new_tokens: int) -> None:
         self.router = router
         self.max_new_tokens = max_new_tokens
         self.device = router._stack.device
 
-    def run(self, arm: Arm, ids: torch.Tensor, meter: ComputeMeter) -> tuple[list[int], dict | None, float, list]:
+    def run(self, arm: Arm, ids: torch.Tensor) -> tuple[list[int], dict | None, float, list]:
         """Generate with `arm`; returns new token ids, router stats, wall seconds, streamer arrivals."""
         router, n = self.router, ids.shape[1]
         streamer = _ArrivalStreamer()
@@ -269,7 +269,7 @@ def run_bench(
         with ComputeMeter(router._stack, router.heads) as meter:
             if cfg.warmup:  # first-call allocations stay out of the numbers
                 for arm in arms:
-                    runner.run(arm, encoded[0][:, :8], meter)
+                    runner.run(arm, encoded[0][:, :8])
             bar = tqdm(total=cfg.repeats * len(prompts) * len(arms), disable=not progress, desc="bench", unit="run")
             for repeat in range(cfg.repeats):
                 for p_idx, (item, ids) in enumerate(zip(prompts, encoded)):
@@ -297,7 +297,7 @@ def _encode(router: Any, item: dict[str, Any]) -> torch.Tensor:
 def _measure(runner: _Runner, arm: Arm, item: dict, ids: torch.Tensor, repeat: int, meter: ComputeMeter) -> RunRecord:
     _reset_peak_memory(runner.device)
     meter.reset()
-    new_ids, stats, wall, arrivals = runner.run(arm, ids, meter)
+    new_ids, stats, wall, arrivals = runner.run(arm, ids)
     count = meter.reset()
     decode_steps = len(new_ids) - 1
     compute = None
