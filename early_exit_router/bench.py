@@ -62,6 +62,7 @@ class BenchConfig:
     modes: tuple[str, ...] = ("exit", "verify")
     thresholds: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)  # swept next to the loaded config
     ngram: bool = True  # add each mode with the zero-layer n-gram tier, at the loaded config
+    loaded_config: bool = True  # add each mode at the router's loaded config
     engine_control: bool = True
     assistant_early_exit: tuple[int, ...] | None = None  # None: the deepest exit layer + 1; () skips the arm
     prompt_lookup_num_tokens: int = 10  # 0 skips the arm
@@ -84,7 +85,8 @@ def build_arms(router: Any, cfg: BenchConfig) -> list[Arm]:
     if cfg.engine_control:
         arms.append(Arm(ENGINE_CONTROL, "router", "exit", {"active_exit_layers": []}, family="engine control"))
     for mode in cfg.modes:
-        arms.append(Arm(f"router {mode} (loaded config)", "router", mode, family=f"router {mode}, loaded config"))
+        if cfg.loaded_config:
+            arms.append(Arm(f"router {mode} (loaded config)", "router", mode, family=f"router {mode}, loaded config"))
         for t in sorted(cfg.thresholds, reverse=True):
             overrides = threshold_overrides(t)
             arms.append(Arm(f"router {mode} @{t:g}", "router", mode, overrides, family=f"router {mode}", threshold=t))

@@ -189,6 +189,7 @@ def calibrate(
         modes=(cfg.mode,),
         thresholds=tuple(cfg.candidates),
         ngram=False,
+        loaded_config=False,
         engine_control=False,
         assistant_early_exit=(),
         prompt_lookup_num_tokens=0,
@@ -248,7 +249,7 @@ def calibrate(
 
 def _heldout_config(cfg: BenchConfig) -> BenchConfig:
     """The sweep's settings with no sweep: only the router's loaded (now calibrated) config runs."""
-    return BenchConfig(**{**asdict(cfg), "thresholds": ()})
+    return BenchConfig(**{**asdict(cfg), "thresholds": (), "loaded_config": True})
 
 
 def _candidate(threshold: float, row: dict[str, Any], records: list) -> Candidate:
