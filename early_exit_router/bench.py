@@ -464,7 +464,8 @@ def _meta(router: Any, cfg: BenchConfig, prompts: Sequence[dict]) -> dict[str, A
     }
 
 
-def _fmt(value: Any, spec: str = ".2f") -> str:
+def format_value(value: Any, spec: str = ".2f") -> str:
+    """`value` formatted with `spec`, or an en dash for a missing value (tables)."""
     return "–" if value is None else format(value, spec)
 
 
@@ -492,20 +493,20 @@ def format_markdown(result: BenchResult) -> str:
             cells = [
                 row["arm"],
                 f"{row['tokens_per_s']:.1f}",
-                f"{_fmt(row['speedup'])}x",
+                f"{format_value(row['speedup'])}x",
                 f"{row['hit_rate']:.2f}",
                 _histogram(row["exit_histogram"], row["tokens"], num_layers),
-                _fmt(row["compute_ratio"]),
+                format_value(row["compute_ratio"]),
                 f"{row['teacher_forced_agreement']:.3f}",
-                _fmt(row["nll_ratio"]),
-                _fmt(row["rouge_l"]),
-                _fmt(row["token_match"]),
-                _fmt(row["first_divergence_median"], ".0f"),
+                format_value(row["nll_ratio"]),
+                format_value(row["rouge_l"]),
+                format_value(row["token_match"]),
+                format_value(row["first_divergence_median"], ".0f"),
                 f"{row['identical']}/{row['runs']}",
-                _fmt(row["ttft_ms"], ".0f"),
-                f"{_fmt(row['itl_p50_ms'], '.0f')}/{_fmt(row['itl_p99_ms'], '.0f')}",
-                _fmt(row["routing_overhead"], ".1%"),
-                _fmt(row["peak_memory_mb"], ".0f"),
+                format_value(row["ttft_ms"], ".0f"),
+                f"{format_value(row['itl_p50_ms'], '.0f')}/{format_value(row['itl_p99_ms'], '.0f')}",
+                format_value(row["routing_overhead"], ".1%"),
+                format_value(row["peak_memory_mb"], ".0f"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

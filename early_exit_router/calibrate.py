@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .bench import BenchConfig, run_bench, threshold_overrides
+from .bench import BenchConfig, format_value, run_bench, threshold_overrides
 
 DEFAULT_CANDIDATES = (0.99, 0.97, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 
@@ -118,22 +118,19 @@ class CalibrationResult:
             p = "–" if c.p_value is None else f"{c.p_value:.3g}"
             lines.append(
                 f"| {c.threshold:g}{' (chosen)' if c.threshold == self.chosen_threshold else ''} | {c.tokens} | "
-                f"{c.agreement:.3f} | {_fmt(c.nll_ratio)} | {_fmt(c.speedup)} | {_fmt(c.compute_ratio)} | "
-                f"{c.hit_rate:.2f} | {p} | {'yes' if c.meets_target else 'no'} |"
+                f"{c.agreement:.3f} | {format_value(c.nll_ratio)} | {format_value(c.speedup)} | "
+                f"{format_value(c.compute_ratio)} | {c.hit_rate:.2f} | {p} | {'yes' if c.meets_target else 'no'} |"
             )
         if self.heldout:
             h = self.heldout
             lines.append(
                 f"held out ({len(self.heldout_prompts)} prompts) at {self.chosen_threshold:g}: agreement "
-                f"{h['agreement']:.3f}, NLL ratio {_fmt(h['nll_ratio'])}, speedup {_fmt(h['speedup'])}x, compute "
-                f"{_fmt(h['compute_ratio'])}, hit rate {h['hit_rate']:.2f}; target met: {h['meets_target']}"
+                f"{h['agreement']:.3f}, NLL ratio {format_value(h['nll_ratio'])}, speedup "
+                f"{format_value(h['speedup'])}x, compute {format_value(h['compute_ratio'])}, hit rate "
+                f"{h['hit_rate']:.2f}; target met: {h['meets_target']}"
             )
         lines += self.notes
         return "\n".join(lines)
-
-
-def _fmt(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}"
 
 
 def binomial_cdf(k: int, n: int, p: float) -> float:
