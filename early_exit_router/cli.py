@@ -242,6 +242,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
+    from .metrics import first_divergence
     from .router import EarlyExitRouter
 
     router = EarlyExitRouter.from_pretrained(
@@ -272,13 +273,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             plain = router.generate(input_ids, **kwargs)
             plain_s = time.perf_counter() - start
         plain_new = plain.sequences[0, input_ids.shape[1] :]
-        n = min(len(plain_new), len(new_ids))
-        first_diff = next((i for i in range(n) if int(plain_new[i]) != int(new_ids[i])), None)
         report["compare"] = {
             "plain_tokens_per_s": plain.stats.tokens_per_s,
             "speedup": out.stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else None,
             "identical": torch.equal(plain.sequences, out.sequences),
-            "first_divergence": first_diff if first_diff is not None or len(plain_new) == len(new_ids) else n,
+            "first_divergence": first_divergence(plain_new.tolist(), new_ids.tolist()),
             "plain_wall_s": plain_s,
         }
     if args.trace:

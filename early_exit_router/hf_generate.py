@@ -22,8 +22,7 @@ import torch
 from transformers.generation.configuration_utils import GenerationMode
 
 from . import _compat
-from .engine import DecodeRequest, Engine
-from .routing import Router
+from .engine import DecodeRequest
 from .sampling import SamplingParams, TokenSelector
 
 ROUTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -90,8 +89,7 @@ def _routed_decoding(
         )
 
     stack = router._stack
-    config = router.config
-    mode = getattr(generation_config, "early_exit_mode", None) or config.mode
+    mode = getattr(generation_config, "early_exit_mode", None) or router.config.mode
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     request = DecodeRequest(
@@ -107,8 +105,7 @@ def _routed_decoding(
     selector = TokenSelector(
         SamplingParams(do_sample=bool(generation_config.do_sample)), stack.device, logits_processor
     )
-    engine = Engine(stack, router.heads, Router(config, stack.vocab_size), config)
-    sequences, stats, logits, cache, _ = engine.generate(input_ids.to(stack.device), request, selector)
+    sequences, stats, logits, cache, _ = router._run_engine(input_ids.to(stack.device), request, selector)
     router.last_stats = stats
     if not generation_config.return_dict_in_generate:
         return sequences

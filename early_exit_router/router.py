@@ -341,8 +341,7 @@ class EarlyExitRouter:
             output_logits=output_logits,
         )
         selector = TokenSelector(params, self._stack.device, logits_processor)
-        engine = Engine(self._stack, self.heads, Router(self.config, self._stack.vocab_size), self.config)
-        sequences, stats, logits, cache, depths = engine.generate(input_ids, request, selector)
+        sequences, stats, logits, cache, depths = self._run_engine(input_ids, request, selector)
         return GenerationOutput(
             sequences=sequences,
             stats=stats,
@@ -350,6 +349,11 @@ class EarlyExitRouter:
             cache=cache,
             depths=list(depths),
         )
+
+    def _run_engine(self, input_ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> tuple:
+        """One decode with the current config: `Engine.generate`'s (sequences, stats, logits, cache, depths)."""
+        engine = Engine(self._stack, self.heads, Router(self.config, self._stack.vocab_size), self.config)
+        return engine.generate(input_ids, request, selector)
 
     def _check_input_ids(self, input_ids: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
         if not torch.is_tensor(input_ids):

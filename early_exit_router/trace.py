@@ -20,6 +20,13 @@ _NGRAM_COLOUR = "\033[35m"
 _RESET = "\033[0m"
 
 
+def _depth_colours(exit_layers: Sequence[int]) -> dict[int, str]:
+    """ANSI colour per shallow depth: the exits in order, then the n-gram tier."""
+    colours = {layer: _EXIT_COLOURS[i % len(_EXIT_COLOURS)] for i, layer in enumerate(exit_layers)}
+    colours[NGRAM_LAYER] = _NGRAM_COLOUR
+    return colours
+
+
 def depth_label(layer: int, num_layers: int) -> str:
     """'full', 'ngram' or 'L<layer>'."""
     if layer == num_layers - 1:
@@ -56,8 +63,7 @@ def render_trace(
     """(coloured text, plain text) of the generated tokens, each marked with the depth it left at."""
     if len(token_ids) != len(depths):
         raise ValueError(f"{len(token_ids)} tokens but {len(depths)} depths: pass GenerationOutput.depths.")
-    colours = {layer: _EXIT_COLOURS[i % len(_EXIT_COLOURS)] for i, layer in enumerate(exit_layers)}
-    colours[NGRAM_LAYER] = _NGRAM_COLOUR
+    colours = _depth_colours(exit_layers)
     coloured, plain = [], []
     current = None
     for text, layer in zip(_token_texts(tokenizer, list(token_ids)), depths):
@@ -72,8 +78,7 @@ def render_trace(
 
 def trace_legend(num_layers: int, exit_layers: Sequence[int], depths: Sequence[int], colour: bool) -> str:
     """One line naming each depth, with its colour (or marker) and how many tokens left there."""
-    colours = {layer: _EXIT_COLOURS[i % len(_EXIT_COLOURS)] for i, layer in enumerate(exit_layers)}
-    colours[NGRAM_LAYER] = _NGRAM_COLOUR
+    colours = _depth_colours(exit_layers)
     parts = []
     for layer in [NGRAM_LAYER, *exit_layers, num_layers - 1]:
         count = sum(1 for d in depths if d == layer)
