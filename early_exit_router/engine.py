@@ -231,11 +231,10 @@ class Engine:
         proposal = ngram_lookup(state.tokens, cfg.ngram_size, budget) if budget > 0 else []
         if not proposal:
             return False
-        eos = next((k for k, t in enumerate(proposal) if t in request.eos_token_ids), None)
-        proposal = proposal[: eos + 1] if eos is not None else proposal
         q = len(state.tokens) - 1
         tier = len(self.exits)  # the n-gram tier's index after the exits
         vocab = self.stack.vocab_size
+        appended = 0
         for k, token_id in enumerate(proposal):
             state.draft_exit[q + k] = tier
             point_mass = torch.full((1, vocab), float("-inf"), device=self.stack.device)
@@ -244,7 +243,12 @@ class Engine:
                 state.draft_probs[q + k] = point_mass[0].exp()
             token = torch.tensor([token_id], device=self.stack.device)
             self._append(state, token, token_id, NGRAM_LAYER, point_mass, request)
-        embedded = self.stack.embed(state.seq[:, q : q + len(proposal)], q)  # (1, m, hidden): positions q..q+m-1
+            appended += 1
+            # Every stop rule sees every token, as in plain decoding: a draft ends at the first token that stops
+            # generation (verify mode then verifies it before stopping; a rejection resumes decoding).
+            if self._should_stop(state, request):
+                break
+        embedded = self.stack.embed(state.seq[:, q : q + appended], q)  # (1, m, hidden): positions q..q+m-1
         waiting = state.buffers[0]
         state.buffers[0] = embedded if waiting is None else torch.cat([waiting, embedded], dim=1)
         return True

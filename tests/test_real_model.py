@@ -79,6 +79,23 @@ def test_stop_strings_end_generation(smol):
     assert "Tuesday" in text and "Wednesday" not in text
 
 
+@pytest.mark.parametrize("mode", ["exit", "verify"])
+def test_a_stop_string_inside_an_ngram_draft_stops_like_hf(smol, mode):
+    """The reported case: the n-gram tier drafted ' six seven' in one go and the stop string 'six' was missed."""
+    ids = smol.encode("one two three four five six seven eight nine ten. " * 3 + "one two")
+    with smol.disabled() as plain:
+        ref = plain.generate(ids, max_new_tokens=20, do_sample=False, stop_strings=["six"], tokenizer=smol.tokenizer)
+    configured = smol.config
+    smol.config = configured.replace(ngram_tier=True)
+    try:
+        out = smol.generate(ids, max_new_tokens=20, mode=mode, stop_strings=["six"])
+    finally:
+        smol.config = configured
+    assert smol.tokenizer.decode(ref[0, ids.shape[1] :]) == " three four five six"
+    assert out.stats.exit_histogram.get(-1, 0) > 0  # the n-gram tier drafted
+    assert torch.equal(out.sequences, ref)
+
+
 def test_a_gguf_file_loads_through_the_same_cache():
     router = EarlyExitRouter.from_pretrained(str(alias_gguf_path("smollm2-135m")), exit_layers=[15])  # no heads
     assert router.exit_layers == [15] and router.tokenizer is not None

@@ -1,0 +1,147 @@
+"""Stop rules inside multi-token drafts: every rule sees every token, as in plain decoding.
+
+The n-gram tier appends several tokens at once. A stop rule that fires on one of them must end generation right
+there (exit mode) or, in verify mode, right there once the draft is verified; plain HF is the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from early_exit_router import EarlyExitRouter
+
+from .conftest import NEVER_EXIT, assert_cache_matches_full_forward, tiny_llama, tiny_tokenizer
+
+
+def looping_prompt() -> torch.Tensor:
+    """A prompt whose greedy continuation on tiny_llama(0) repeats itself, so the n-gram tier drafts runs."""
+    return torch.tensor([[5, 17, 33, 41, 9, 5, 17, 33, 41, 9, 5, 17, 33, 41, 9, 5, 17]])
+
+
+class StopOnToken(StoppingCriteria):
+    """Stops once `token` was generated `times` times (counting only new tokens)."""
+
+    def __init__(self, token: int, prompt_len: int, times: int = 1) -> None:
+        self.token, self.prompt_len, self.times = token, prompt_len, times
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = (input_ids[:, self.prompt_len :] == self.token).sum(dim=1) >= self.times
+        return done
+
+
+def ngram_router(model, **overrides):
+    return EarlyExitRouter.from_model(
+        model, exit_layers=[1, 3], ngram_tier=True, ngram_draft=6, max_pending=8, **{**NEVER_EXIT, **overrides}
+    )
+
+
+def reference(model, ids, n, **kwargs):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, **kwargs)
+
+
+def test_the_looping_prompt_really_drafts_with_the_ngram_tier():
+    model = tiny_llama(0)
+    out = ngram_router(model).generate(looping_prompt(), max_new_tokens=30, mode="verify")
+    assert out.stats.exit_histogram.get(-1, 0) >= 10, out.stats.exit_histogram
+    assert out.stats.mean_accepted_length >= 2
+
+
+def unstopped_output(model, ids, n, mode) -> list[int]:
+    """New tokens without a stop rule: plain HF greedy (verify mode), or the router's own exit-mode output (exit
+    mode keeps n-gram drafts unverified, so its text is its own)."""
+    if mode == "verify":
+        return reference(model, ids, n)[0, ids.shape[1] :].tolist()
+    router = ngram_router(model)
+    new = router.generate(ids, max_new_tokens=n, mode="exit").sequences[0, ids.shape[1] :].tolist()
+    router.unpatch()
+    return new
+
+
+def most_repeated(new: list[int]) -> int:
+    """The token that recurs most in the looping part of the output, where the n-gram tier drafts."""
+    tail = new[10:]
+    return max(tail, key=tail.count)
+
+
+def cut_at_stop(ids, new: list[int], stop_at) -> torch.Tensor:
+    """Prompt + `new`, cut after the first token where `stop_at(new tokens so far)` holds."""
+    end = next((k for k in range(1, len(new) + 1) if stop_at(new[:k])), len(new))
+    return torch.cat([ids, torch.tensor([new[:end]])], dim=1)
+
+
+@pytest.mark.parametrize("mode", ["exit", "verify"])
+@pytest.mark.parametrize("extra", [1, 2])
+def test_stopping_criteria_that_fire_mid_draft_stop_like_plain_decoding(mode, extra):
+    model = tiny_llama(0)
+    ids = looping_prompt()
+    new = unstopped_output(model, ids, 30, mode)
+    token = most_repeated(new)
+    occurrence = new[:12].count(token) + extra  # an occurrence after the loop (and so the drafting) began
+    expected = cut_at_stop(ids, new, lambda prefix: prefix.count(token) >= occurrence)
+    assert expected.shape[1] < ids.shape[1] + 30  # the rule fires
+    criteria = StoppingCriteriaList([StopOnToken(token, ids.shape[1], occurrence)])
+    if mode == "verify":
+        assert torch.equal(reference(model, ids, 30, stopping_criteria=criteria), expected)
+    router = ngram_router(model)
+    out = router.generate(ids, max_new_tokens=30, mode=mode, stopping_criteria=criteria)
+    assert out.stats.exit_histogram.get(-1, 0) > 0
+    assert torch.equal(out.sequences, expected)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+@pytest.mark.parametrize("mode", ["exit", "verify"])
+@pytest.mark.parametrize("extra", [1, 2])
+def test_stop_strings_inside_a_draft_stop_like_plain_decoding(mode, extra):
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(0)
+    ids = looping_prompt()
+    new = unstopped_output(model, ids, 30, mode)
+    word = tokenizer.decode([most_repeated(new)])
+    occurrence = tokenizer.decode(new[:12]).count(word) + extra
+    expected = cut_at_stop(ids, new, lambda prefix: tokenizer.decode(prefix).count(word) >= occurrence)
+    # a stop string that completes only at the chosen occurrence: the word repeated with what comes between
+    text = tokenizer.decode(expected[0, ids.shape[1] :].tolist())
+    stop = text[text.index(word) :]
+    router = EarlyExitRouter.from_model(
+        model, tokenizer, exit_layers=[1, 3], ngram_tier=True, ngram_draft=6, max_pending=8, **NEVER_EXIT
+    )
+    out = router.generate(ids, max_new_tokens=30, mode=mode, stop_strings=[stop])
+    assert out.stats.exit_histogram.get(-1, 0) > 0
+    assert torch.equal(out.sequences, expected)
+
+
+@pytest.mark.parametrize("mode", ["exit", "verify"])
+def test_eos_inside_a_draft_stops_like_hf(mode):
+    model = tiny_llama(0)
+    ids = looping_prompt()
+    plain = reference(model, ids, 30)[0, ids.shape[1] :].tolist()
+    eos = plain[15]  # generated first at position 6: its second occurrence sits inside a draft
+    ref = reference(model, ids, 30, eos_token_id=eos, pad_token_id=eos)
+    out = ngram_router(model).generate(ids, max_new_tokens=30, mode=mode, eos_token_id=eos)
+    assert torch.equal(out.sequences, ref)
+    assert out.sequences[0, -1] == eos
+
+
+@pytest.mark.parametrize("n", range(1, 14))
+def test_max_new_tokens_reached_mid_draft_is_exact(n):
+    model = tiny_llama(0)
+    ids = looping_prompt()
+    ref = reference(model, ids, n)  # before patching: on a patched model, generate() itself routes
+    out = ngram_router(model).generate(ids, max_new_tokens=n, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_eos_in_a_rejected_draft_does_not_stop_generation():
+    """A draft that ends in EOS but is rejected before it must not end the output: decoding resumes."""
+    model = tiny_llama(0)
+    ids = looping_prompt()
+    plain = reference(model, ids, 30)[0, ids.shape[1] :].tolist()
+    # An id the prompt continues with in the *prompt* (so the n-gram tier drafts it) but never generated.
+    eos = next(t for t in ids[0].tolist() if t not in plain)
+    ref = reference(model, ids, 30, eos_token_id=eos, pad_token_id=eos)
+    out = ngram_router(model).generate(ids, max_new_tokens=30, mode="verify", eos_token_id=eos)
+    assert torch.equal(out.sequences, ref)
+    assert out.sequences.shape[1] == ids.shape[1] + 30
