@@ -33,7 +33,7 @@ setup() {
 command="${1:-help}"
 shift || true
 case "$command" in
-    generate|bench|calibrate|export-draft|train-heads|eval-heads)
+    generate|bench|calibrate|profile|export-draft|train-heads|eval-heads)
         setup
         exec "$VENV/bin/early-exit-router" "$command" "$@"
         ;;
@@ -48,7 +48,7 @@ case "$command" in
         ;;
     *)
         echo "usage: ./quickstart.sh generate [\"prompt\"] [options] | test [pytest args] | setup" >&2
-        echo "       ./quickstart.sh bench | calibrate | export-draft | train-heads | eval-heads [options]" >&2
+        echo "       ./quickstart.sh bench | calibrate | profile | export-draft | train-heads | eval-heads [options]" >&2
         echo "       ./quickstart.sh generate --help   lists every option" >&2
         exit 2
         ;;

@@ -204,7 +204,10 @@ class LayerStack:
         return self.unembed(self.final_norm(hidden))
 
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(normed)
+        return self.softcap(self.lm_head(normed))
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's final logit soft-capping (Gemma), or the logits unchanged."""
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits

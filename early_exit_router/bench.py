@@ -5,8 +5,10 @@ the same prompts, the same hardware and the same decoding parameters, interleave
 rotates between prompts and repeats, so no arm always runs first). Arms:
 
 - the control, and the router with its exits switched off (the cost or gain of our own decode loop);
-- the router at its loaded config, and in each mode over a sweep of confidence-only thresholds (`@t`: exit when
-  the head's max probability is at least t), and with the n-gram tier;
+- the router at its loaded config (the default that `generate` uses), and in each mode over a sweep of
+  confidence-only thresholds (`@t`: exit when the head's max probability is at least t);
+- the n-gram tier alone (exits off), so the exits must earn their place against it in the same run, and the fixed
+  threshold cascade without the n-gram tier (how the router decoded before the cost policy);
 - HF assisted generation with `assistant_early_exit=E` (the model's own first E layers and its LM head draft);
 - HF prompt-lookup decoding (`prompt_lookup_num_tokens`).
 
@@ -61,7 +63,8 @@ class BenchConfig:
     repeats: int = 1
     modes: tuple[str, ...] = ("exit", "verify")
     thresholds: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)  # swept next to the loaded config
-    ngram: bool = True  # add each mode with the zero-layer n-gram tier, at the loaded config
+    ngram: bool = True  # add each mode with the zero-layer n-gram tier alone (exits off)
+    fixed_cascade: bool = True  # add each mode with the fixed threshold cascade and no n-gram tier
     loaded_config: bool = True  # add each mode at the router's loaded config
     engine_control: bool = True
     assistant_early_exit: tuple[int, ...] | None = None  # None: the deepest exit layer + 1; () skips the arm
@@ -91,8 +94,13 @@ def build_arms(router: Any, cfg: BenchConfig) -> list[Arm]:
             overrides = threshold_overrides(t)
             arms.append(Arm(f"router {mode} @{t:g}", "router", mode, overrides, family=f"router {mode}", threshold=t))
         if cfg.ngram:
-            name = f"router {mode} + n-gram (loaded config)"
-            arms.append(Arm(name, "router", mode, {"ngram_tier": True}, family=f"router {mode} + n-gram"))
+            name = f"router {mode}, n-gram tier only"
+            overrides = {"ngram_tier": True, "active_exit_layers": []}
+            arms.append(Arm(name, "router", mode, overrides, family=f"router {mode}, n-gram only"))
+        if cfg.fixed_cascade:
+            name = f"router {mode}, fixed cascade, no n-gram"
+            overrides = {"policy": "fixed", "ngram_tier": False}
+            arms.append(Arm(name, "router", mode, overrides, family=f"router {mode}, fixed cascade"))
     early_exits = cfg.assistant_early_exit
     if early_exits is None:
         early_exits = (router.exit_layers[-1] + 1,) if router.exit_layers else ()
@@ -182,6 +190,9 @@ class _Runner:
         streamer = _ArrivalStreamer()
         start = time.perf_counter()
         if arm.kind == "router":
+            # Every run starts with an empty n-gram store: the same prompt from another arm would otherwise be
+            # copied whole. The bench measures one request at a time; the store pays off across requests.
+            router._ngram_store = None
             configured = router.config
             router.config = configured.replace(**arm.overrides)
             try:
@@ -412,6 +423,8 @@ def summarize(records: list[RunRecord], arms: list[Arm]) -> list[dict[str, Any]]
                     "hit_rate": sum(s["hit_rate"] * s["new_tokens"] for s in stats) / tokens if stats else 0.0,
                     "exit_histogram": dict(sorted(histogram.items())),
                     "routing_overhead": _mean([s["routing_overhead"] for s in stats]),
+                    "plain_share": sum(s["plain_share"] * s["new_tokens"] for s in stats) / tokens if stats else None,
+                    "policy_cycles": _sum_counts([s["policy_cycles"] for s in stats]),
                     "compute_ratio": _weighted([(r.compute_ratio, r.tokens - 1) for r in runs]),
                     "identical": sum(r.quality["identical"] for r in runs),
                     "token_match": _mean([r.quality["token_match"] for r in runs]),
@@ -422,6 +435,14 @@ def summarize(records: list[RunRecord], arms: list[Arm]) -> list[dict[str, Any]]
                 }
             )
     return rows
+
+
+def _sum_counts(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = defaultdict(int)
+    for c in counts:
+        for key, value in c.items():
+            total[key] += value
+    return dict(sorted(total.items()))
 
 
 def _tokens_per_s(runs: list[RunRecord]) -> float:
@@ -457,6 +478,7 @@ def _meta(router: Any, cfg: BenchConfig, prompts: Sequence[dict]) -> dict[str, A
         "transformers": transformers.__version__,
         "num_layers": stack.num_layers,
         "router_config": router.config.to_dict(),
+        "cost_model": router.costs().to_dict() if router.config.policy == "cost" else None,
         "bench_config": asdict(cfg),
         "prompts": len(prompts),
         "decoding": "greedy",
@@ -483,7 +505,7 @@ def format_markdown(result: BenchResult) -> str:
     ]
     columns = [
         "arm", "tok/s", "speedup", "hit rate", "exits", "compute", "agreement", "NLL ratio", "ROUGE-L",
-        "token match", "1st diff", "identical", "TTFT ms", "ITL p50/p99 ms", "routing", "peak MB",
+        "token match", "1st diff", "identical", "TTFT ms", "ITL p50/p99 ms", "routing", "plain", "cycles", "peak MB",
     ]  # fmt: skip
     num_layers = meta["num_layers"]
     for category in dict.fromkeys(row["category"] for row in result.summary):
@@ -506,9 +528,15 @@ def format_markdown(result: BenchResult) -> str:
                 format_value(row["ttft_ms"], ".0f"),
                 f"{format_value(row['itl_p50_ms'], '.0f')}/{format_value(row['itl_p99_ms'], '.0f')}",
                 format_value(row["routing_overhead"], ".1%"),
+                format_value(row.get("plain_share"), ".2f") if row.get("policy_cycles") else "–",
+                ", ".join(f"{k} {v}" for k, v in (row.get("policy_cycles") or {}).items()) or "–",
                 format_value(row["peak_memory_mb"], ".0f"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
+    if meta.get("cost_model"):
+        from .costs import CostModel
+
+        lines += ["", "### cost model the policy decided from", "", CostModel.from_dict(meta["cost_model"]).markdown()]
     return "\n".join(lines)
 
 

@@ -186,6 +186,7 @@ def calibrate(
         modes=(cfg.mode,),
         thresholds=tuple(cfg.candidates),
         ngram=False,
+        fixed_cascade=False,
         loaded_config=False,
         engine_control=False,
         assistant_early_exit=(),

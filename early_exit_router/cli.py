@@ -11,9 +11,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .config import ADAPTER_KINDS, MODES, RouterConfig
+from .config import ADAPTER_KINDS, MODES, POLICIES, RouterConfig
 from .models import DEFAULT_MODEL
 
+CHOICES = {"mode": MODES, "adapter": ADAPTER_KINDS, "policy": POLICIES}
 DEFAULT_PROMPT = "List the seven days of the week as a numbered list, one per line, nothing else."
 
 
@@ -27,8 +28,8 @@ def _add_router_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=_int_list, default=None, metavar="E1,E2", help=help_text)
         elif f.type in ("bool", bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif f.name in ("mode", "adapter"):
-            group.add_argument(flag, choices=MODES if f.name == "mode" else ADAPTER_KINDS, default=None, help=help_text)
+        elif f.name in CHOICES:
+            group.add_argument(flag, choices=CHOICES[f.name], default=None, help=help_text)
         else:
             kind = int if isinstance(f.default, int) and not isinstance(f.default, bool) else float
             kind = str if isinstance(f.default, str) else kind
@@ -173,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="T1,T2",
         help="high_conf_threshold sweep; the loaded threshold is always added (default: 0.3,0.5,0.7,0.9).",
     )
-    bench.add_argument("--no-ngram", action="store_true", help="Skip the n-gram tier rows.")
+    bench.add_argument("--no-ngram", action="store_true", help="Skip the 'n-gram tier only' rows.")
+    bench.add_argument(
+        "--no-fixed-cascade", action="store_true", help="Skip the 'fixed cascade, no n-gram' rows (the old default)."
+    )
     bench.add_argument(
         "--assistant-early-exit",
         type=_int_list,
@@ -188,6 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_load_options(bench)
     bench.add_argument("--quiet", action="store_true", help="No progress bar.")
     _add_router_options(bench)
+
+    profile = sub.add_parser(
+        "profile",
+        help="Measure (or show the cached) cost model the router decides from on this device.",
+        description="Times one decoder layer at chunk lengths 1..N, the full LM head at 1..N rows, an exit's trimmed "
+        "draft head and its gate, on the device and dtype in use; caches the table on disk and prints it with what "
+        "the cost policy would do at a few acceptance rates.",
+    )
+    profile.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    profile.add_argument("--refresh", action="store_true", help="Measure again even when a cached table exists.")
+    profile.add_argument("--json", action="store_true", help="Print the cost model as JSON.")
+    _add_load_options(profile)
+    _add_router_options(profile)
 
     calib = sub.add_parser(
         "calibrate",
@@ -385,6 +402,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         modes=tuple(args.modes),
         thresholds=tuple(args.thresholds),
         ngram=not args.no_ngram,
+        fixed_cascade=not args.no_fixed_cascade,
         assistant_early_exit=None if args.assistant_early_exit is None else tuple(args.assistant_early_exit),
         prompt_lookup_num_tokens=args.prompt_lookup,
     )
@@ -399,6 +417,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result.write_json(out / "bench.json")
     result.plot(out / "bench.png")
     print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .policy import AcceptanceTracker, DraftPolicy
+    from .router import EarlyExitRouter
+
+    router = EarlyExitRouter.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, **_router_overrides(args)
+    )
+    costs = router.costs(refresh=args.refresh)
+    if args.json:
+        print(json.dumps(costs.to_dict(), indent=2))
+        return 0
+    print(router.describe())
+    print(costs.markdown())
+    exits = router.config.consulted_exit_layers()
+    gates = [router.config.use_gate and router.heads.gate(e) is not None for e in exits]
+    policy = DraftPolicy(costs, exits, gates)
+    budget = router.config.max_pending
+    print(f"\nWhat the cost policy chooses for a cycle of up to {budget} drafts (expected tokens per plain step):\n")
+    print("| acceptance | n-gram tier (proposal of 8) | " + " | ".join(f"exit L{e}" for e in exits) + " |")
+    print("|---|---|" + "---|" * len(exits))
+    for a in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95):
+        cells = []
+        ngram_d, ngram_rate = policy.best_draft(a, policy.ngram_cycle_ms, min(8, budget))
+        cells.append(f"d={ngram_d}: {ngram_rate / policy.plain_rate:.2f}x")
+        for i in range(len(exits)):
+            d, rate = policy.best_draft(a, lambda d, i=i: policy.exit_cycle_ms(i, d), budget)
+            cells.append(f"d={d}: {rate / policy.plain_rate:.2f}x")
+        print(f"| {a:.2f} | " + " | ".join(cells) + " |")
+    chosen = policy.plan(AcceptanceTracker(prior=router.config.acceptance_prior), budget, [0] * 8, 2)
+    print(
+        f"\nAt the prior acceptance {router.config.acceptance_prior:.2f}, a cycle with an n-gram proposal runs: "
+        f"{chosen.kind}" + (f", {chosen.max_draft} drafts" if chosen.max_draft else "")
+    )
     return 0
 
 
@@ -463,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "calibrate":
             return cmd_calibrate(args)
+        if args.command == "profile":
+            return cmd_profile(args)
         if args.command == "export-draft":
             return cmd_export_draft(args)
     except (ValueError, FileNotFoundError, ImportError) as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("exit", "verify")
+POLICIES = ("cost", "fixed")
 ADAPTER_KINDS = ("identity", "linear", "lowrank", "postnorm")
 
 
@@ -43,6 +44,33 @@ class RouterConfig:
             "help": "'exit': exited tokens are final (lossy, fastest). 'verify': exited tokens are drafts that the "
             "next deep pass verifies, so greedy output equals the full model's (lossless)."
         },
+    )
+    policy: str = field(
+        default="cost",
+        metadata={
+            "help": "'cost': in verify mode, each draft cycle drafts from the tier (an exit or the n-gram tier) with "
+            "the most expected tokens per millisecond under the measured cost model and online acceptance "
+            "estimates, and decodes plainly (no head, no gate) when no tier beats plain decoding. 'fixed': every "
+            "token runs the threshold cascade at every exit (exit mode always uses it)."
+        },
+    )
+    draft_vocab_size: int = field(
+        default=4096,
+        metadata={
+            "help": "Exit heads draft over the this-many highest-ranked token ids only (a trimmed head: a small "
+            "fraction of the full head's cost); the deep pass still uses the full head. 0 uses the full vocabulary."
+        },
+    )
+    probe_interval: int = field(
+        default=8,
+        metadata={
+            "help": "Cost policy: every this-many plain steps, score each exit's draft head on the hidden states "
+            "the step computed anyway, so acceptance estimates stay current for tiers not in use. 0 never probes."
+        },
+    )
+    acceptance_prior: float = field(
+        default=0.5,
+        metadata={"help": "Cost policy: the acceptance estimate of a tier before any verdict (in [0, 1])."},
     )
     high_conf_threshold: float = field(
         default=0.9,
@@ -122,17 +150,32 @@ class RouterConfig:
         },
     )
     ngram_tier: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "Zero-layer tier (prompt lookup): when the last tokens occurred earlier in the context, propose "
-            "the tokens that followed there, running no layer for them. Verified like exits in verify mode; "
-            "lossy like exits in exit mode (histogram key -1)."
+            "the tokens that followed there, running no layer for them. The deep pass verifies them in both modes "
+            "(exit mode too, unless ngram_unverified). Histogram key -1."
         },
     )
     ngram_size: int = field(
-        default=3, metadata={"help": "Longest suffix the n-gram tier matches (it tries down to 2 tokens)."}
+        default=4, metadata={"help": "Longest suffix the n-gram tier matches (it tries down to 2 tokens)."}
     )
-    ngram_draft: int = field(default=4, metadata={"help": "Most tokens the n-gram tier proposes at once."})
+    ngram_draft: int = field(default=8, metadata={"help": "Most tokens the n-gram tier proposes at once."})
+    ngram_unverified: bool = field(
+        default=False,
+        metadata={
+            "help": "Exit mode: keep n-gram tokens without verifying them (faster, lossy, prone to repetition). "
+            "Verify mode always verifies."
+        },
+    )
+    ngram_store_tokens: int = field(
+        default=65536,
+        metadata={
+            "help": "The n-gram tier also matches against this router's earlier sequences (prompts and outputs) "
+            "across calls, kept up to this many tokens (oldest dropped first; never shared between routers). "
+            "0 turns the store off."
+        },
+    )
     monitor_window: int = field(
         default=32,
         metadata={"help": "Online monitoring: how many recently checked exited tokens the rolling agreement spans."},
@@ -174,6 +217,8 @@ class RouterConfig:
                 raise ValueError(
                     f"active_exit_layers {self.active_exit_layers} must be a subset of exit_layers {self.exit_layers}."
                 )
+        if self.policy not in POLICIES:
+            raise ValueError(f"Unknown policy {self.policy!r}: use one of {', '.join(POLICIES)}.")
         if self.mode not in MODES:
             raise ValueError(f"Unknown mode {self.mode!r}: use one of {', '.join(MODES)}.")
         for name in (
@@ -182,6 +227,7 @@ class RouterConfig:
             "gate_threshold",
             "window_min_confidence",
             "monitor_min_agreement",
+            "acceptance_prior",
         ):
             _check_unit_interval(name, getattr(self, name))
         if self.controller_target is not None:
@@ -205,6 +251,9 @@ class RouterConfig:
             ("monitor_window", 1),
             ("ngram_size", 2),
             ("ngram_draft", 1),
+            ("draft_vocab_size", 0),
+            ("probe_interval", 0),
+            ("ngram_store_tokens", 0),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

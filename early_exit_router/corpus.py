@@ -33,6 +33,7 @@ COMMON_LICENSES = Path("/usr/share/common-licenses")
 TRAIN_PROMPTS = "train_prompts.jsonl"  # self-distillation prompts
 DEV_PROMPTS = "dev_prompts.jsonl"  # development set: measured on, never trained on
 CALIBRATION_PROMPTS = "calibration_prompts.jsonl"  # threshold calibration, split in halves; never trained on
+HELDOUT_PROMPTS = "heldout_prompts.jsonl"  # held out: benchmarked beside the dev set, never tuned or trained on
 
 
 def load_prompts(path: str | Path | None = None, shipped: str = TRAIN_PROMPTS) -> list[dict[str, Any]]:

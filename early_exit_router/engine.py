@@ -28,28 +28,16 @@ from transformers.utils import logging
 from . import _compat
 from .architecture import LayerStack
 from .config import RouterConfig
-from .heads import ExitHeads, exit_logits
+from .costs import CostModel
+from .heads import ExitHeads, draft_logits
+from .ngram import SuffixStore, ngram_lookup, ngram_match  # noqa: F401  (ngram_lookup: public here since 0.1)
+from .policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
 from .routing import FULL_DEPTH, Router, RoutingState
 from .sampling import TokenSelector
 from .stats import GenerationStats
 
 logger = logging.get_logger(__name__)
 NGRAM_LAYER = -1  # exit-histogram key of the zero-layer n-gram tier
-
-
-def ngram_lookup(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: int = 2) -> list[int]:
-    """Prompt lookup: the tokens that followed the latest earlier occurrence of the longest matching suffix.
-
-    Tries suffixes of `max_ngram` down to `min_ngram` tokens; returns up to `max_draft` tokens, or [].
-    """
-    for n in range(max_ngram, min_ngram - 1, -1):
-        if len(tokens) <= n:
-            continue
-        suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence first, excluding the suffix itself
-            if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + max_draft]
-    return []
 
 
 @dataclass
@@ -94,6 +82,15 @@ class SequenceState:
     monitor_warned: bool = False
     verify_passes: int = 0  # verify mode: deep passes that checked at least one draft
     accepted: int = 0  # verify mode: drafts accepted
+    verifying: bool = False  # drafts now waiting are verified (always in verify mode; n-gram cycles in exit mode)
+    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    draft_key: dict[int, TierKey] = field(default_factory=dict)  # position -> acceptance key of its draft
+    plan: Plan | None = None  # cost policy: the current draft cycle
+    cycle_drafts: int = 0
+    shadow_ngram: tuple[TierKey, int] | None = None  # an unused n-gram proposal's key and first token
+    plain_steps: int = 0
+    probes: int = 0
+    plan_counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def new_tokens(self) -> int:
@@ -108,7 +105,15 @@ class SequenceState:
 class Engine:
     """Runs generation for one wrapped model with its exit heads and router."""
 
-    def __init__(self, stack: LayerStack, heads: ExitHeads, router: Router, config: RouterConfig) -> None:
+    def __init__(
+        self,
+        stack: LayerStack,
+        heads: ExitHeads,
+        router: Router,
+        config: RouterConfig,
+        costs: CostModel | None = None,
+        store: SuffixStore | None = None,
+    ) -> None:
         self.stack = stack
         self.heads = heads
         self.router = router
@@ -117,6 +122,12 @@ class Engine:
         # segment s runs layers [starts[s], starts[s + 1])
         self.starts = [0] + [e + 1 for e in self.exits] + [stack.num_layers]
         self.full_layer = stack.num_layers - 1
+        self.draft = heads.draft_head(stack, config.draft_vocab_size)
+        self.store = store if config.ngram_tier else None
+        self.policy: DraftPolicy | None = None
+        if config.policy == "cost" and costs is not None:
+            gates = [config.use_gate and heads.gate(e) is not None for e in self.exits]
+            self.policy = DraftPolicy(costs, self.exits, gates)
 
     def tier_layer(self, tier: int) -> int:
         """The histogram key of a draft tier: its exit layer, or NGRAM_LAYER for the n-gram tier."""
@@ -143,6 +154,8 @@ class Engine:
         self._stream(state, request, len(state.tokens))
         if request.streamer is not None:
             request.streamer.end()
+        if self.store is not None:
+            self.store.add(state.tokens)
         wall = time.perf_counter() - start
         sequences = state.seq[:, : len(state.tokens)].clone()
         return sequences, self._stats(state, request, wall, prefill_s), state.logits, state.cache, state.depth
@@ -163,8 +176,10 @@ class Engine:
             recent_matches=deque(maxlen=self.config.monitor_window),
             checked_by_exit=[0] * (len(self.exits) + 1),  # one slot per exit, then the n-gram tier
             agreed_by_exit=[0] * (len(self.exits) + 1),
+            verifying=request.mode == "verify",
+            tracker=AcceptanceTracker(prior=self.config.acceptance_prior),
         )
-        if request.mode == "verify":
+        if request.mode == "verify" or (self.config.ngram_tier and not self.config.ngram_unverified):
             _compat.prepare_for_rollback(state.cache)
         positions = torch.arange(n, device=stack.device).unsqueeze(0)
         hidden = stack.run(stack.embed(input_ids), 0, stack.num_layers, state.cache, positions)
@@ -180,6 +195,9 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ one step
     def _step(self, state: SequenceState, request: DecodeRequest, selector: TokenSelector) -> None:
         """Feed the last token; it leaves at an exit or runs the full depth (filling the waiting KV on the way)."""
+        if self.policy is not None and request.mode == "verify":
+            self._planned_step(state, request, selector)
+            return
         stack, router = self.stack, self.router
         q = len(state.tokens) - 1
         forced = router.forced_deep(state.routing, state.pending)
@@ -220,26 +238,120 @@ class Engine:
         positions = torch.arange(chunk_start, end, device=self.stack.device).unsqueeze(0)
         return self.stack.run(hidden, self.starts[i], self.starts[i + 1], state.cache, positions), chunk_start
 
+    def _planned_step(self, state: SequenceState, request: DecodeRequest, selector: TokenSelector) -> None:
+        """Verify mode under the cost policy: one step of the current draft cycle (see `policy.py`).
+
+        A cycle starts with a plan: draft from the n-gram tier, draft from one exit (only that exit's draft head
+        runs, until the plan's length or the first unconfident token), or decode plainly (every layer, no head, no
+        gate). Then the token that goes deep verifies the cycle's drafts in one pass.
+        """
+        q = len(state.tokens) - 1
+        if state.plan is None:
+            state.plan = self._choose_plan(state, request)
+            name = state.plan.kind if state.plan.kind != "exit" else f"exit L{self.exits[state.plan.tier]}"
+            state.plan_counts[name] = state.plan_counts.get(name, 0) + 1
+        plan = state.plan
+        if plan.kind == "ngram" and state.cycle_drafts == 0:
+            state.cycle_drafts = self._append_ngram(state, request, list(plan.proposal), plan.key)
+            return
+        probe_every = self.config.probe_interval
+        probe = plan.kind == "plain" and probe_every > 0 and state.plain_steps % probe_every == 0
+        shadows: list[tuple[int, torch.Tensor]] = []
+        hidden: torch.Tensor | None = self.stack.embed(state.seq[:, q : q + 1], q)  # (1, 1, hidden)
+        chunk_start = q
+        for i in range(len(self.exits) + 1):
+            hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, q + 1)
+            if i == len(self.exits):
+                break
+            if plan.kind == "exit" and i == plan.tier and state.cycle_drafts < plan.max_draft:
+                if self._try_exit(state, i, self.exits[i], hidden, q, None, request, selector):
+                    state.cycle_drafts += 1
+                    return
+                state.tracker.observe(plan.key, False)  # the chain stopped: this position yielded no draft
+            elif probe:
+                shadows.append((i, hidden[:, -1]))
+        if plan.kind == "plain":
+            state.plain_steps += 1
+        state.plan, state.cycle_drafts = None, 0
+        self._finish_deep(state, hidden, chunk_start, True, request, selector)
+        deep_token = state.tokens[-1]
+        if state.shadow_ngram is not None:
+            key, predicted = state.shadow_ngram
+            state.tracker.observe(key, predicted == deep_token)
+            state.shadow_ngram = None
+        if shadows:
+            self._probe_exits(state, shadows, deep_token)
+
+    def _choose_plan(self, state: SequenceState, request: DecodeRequest) -> Plan:
+        cfg = self.config
+        budget = min(cfg.max_pending - state.pending, request.max_new_tokens - state.new_tokens)
+        proposal, match_len = self._ngram_proposal(state, min(cfg.ngram_draft, budget)) if budget > 0 else ([], 0)
+        assert self.policy is not None
+        plan = self.policy.plan(state.tracker, budget, proposal, match_len)
+        if proposal and plan.kind != "ngram":  # score the unused proposal against the token the step will choose
+            state.shadow_ngram = (("ngram", match_len), proposal[0])
+        return plan
+
+    def _probe_exits(self, state: SequenceState, shadows: list[tuple[int, torch.Tensor]], deep_token: int) -> None:
+        """Shadow tokens: would each exit have drafted `deep_token` from the hidden state this step computed?"""
+        t0 = time.perf_counter()
+        state.probes += 1
+        signals = []
+        for i, last in shadows:
+            layer = self.exits[i]
+            logits = draft_logits(self.stack, self.heads.adapter(layer), self.draft, last)  # (1, vocab)
+            flag, _ = self.router.head_signal(logits[0], state.routing.threshold_shift)
+            gate = self.heads.gate(layer) if self.config.use_gate else None
+            if gate is not None:
+                flag = flag & self.router.gate_allows(gate(last))[0]
+            signals.append(flag & (logits[0].argmax() == deep_token))
+        for (i, _), ok in zip(shadows, torch.stack(signals).tolist()):  # one host sync for every exit
+            state.tracker.observe(("exit", i), bool(ok))
+        state.routing_s += time.perf_counter() - t0
+
+    def _ngram_proposal(self, state: SequenceState, budget: int) -> tuple[list[int], int]:
+        """What the n-gram tier proposes: the longer match of this context and the router's earlier sequences (on
+        a tie, the longer proposal; then the context)."""
+        if budget <= 0:
+            return [], 0
+        found = ngram_match(state.tokens, self.config.ngram_size, budget)
+        if self.store is not None:
+            stored = self.store.lookup(state.tokens, budget)
+            if (stored[1], len(stored[0])) > (found[1], len(found[0])):
+                return stored
+        return found
+
     def _propose_ngram(self, state: SequenceState, request: DecodeRequest) -> bool:
         """Zero-layer tier: if the last tokens occurred before, emit what followed them there as drafts.
 
-        The proposed tokens run no layer now; their positions wait in front of segment 0 (`buffers[0]`, as
-        embeddings) and are filled with the next token, like any exited token.
+        In exit mode the drafts are verified like verify mode's (unless `ngram_unverified`), so the tier only
+        proposes when nothing else waits: the deep pass then checks n-gram drafts alone.
         """
         cfg = self.config
+        verified = request.mode == "verify" or not cfg.ngram_unverified
+        if verified and request.mode == "exit" and state.pending:
+            return False
         budget = min(cfg.ngram_draft, cfg.max_pending - state.pending, request.max_new_tokens - state.new_tokens)
-        proposal = ngram_lookup(state.tokens, cfg.ngram_size, budget) if budget > 0 else []
+        proposal, match_len = self._ngram_proposal(state, budget)
         if not proposal:
             return False
+        state.verifying = verified
+        self._append_ngram(state, request, proposal, ("ngram", match_len))
+        return True
+
+    def _append_ngram(self, state: SequenceState, request: DecodeRequest, proposal: list[int], key: TierKey) -> int:
+        """Emit `proposal` as n-gram drafts; their positions wait in front of segment 0 (`buffers[0]`, as
+        embeddings) and are filled with the next token, like any exited token. Returns how many were emitted."""
         q = len(state.tokens) - 1
         tier = len(self.exits)  # the n-gram tier's index after the exits
         vocab = self.stack.vocab_size
         appended = 0
         for k, token_id in enumerate(proposal):
             state.draft_exit[q + k] = tier
+            state.draft_key[q + k] = key
             point_mass = torch.full((1, vocab), float("-inf"), device=self.stack.device)
             point_mass[0, token_id] = 0.0  # the tier's "logits": all mass on the copied token
-            if request.mode == "verify":
+            if state.verifying:
                 state.draft_probs[q + k] = point_mass[0].exp()
             token = torch.tensor([token_id], device=self.stack.device)
             self._append(state, token, token_id, NGRAM_LAYER, point_mass, request)
@@ -251,7 +363,7 @@ class Engine:
         embedded = self.stack.embed(state.seq[:, q : q + appended], q)  # (1, m, hidden): positions q..q+m-1
         waiting = state.buffers[0]
         state.buffers[0] = embedded if waiting is None else torch.cat([waiting, embedded], dim=1)
-        return True
+        return appended
 
     def _try_exit(
         self,
@@ -274,7 +386,7 @@ class Engine:
             state.routing_s += time.perf_counter() - t0
             if not allowed:
                 return False
-        logits = exit_logits(self.stack, self.heads.adapter(layer), last)  # (1, vocab)
+        logits = draft_logits(self.stack, self.heads.adapter(layer), self.draft, last)  # (1, vocab)
         # Greedy: choose before deciding, so that one host sync fetches the flag, confidence and token together.
         # Sampling: draw only once the token exits, so the generator serves emitted tokens alone (never-exit
         # sampling then draws exactly what HF sampling draws from the same seed).
@@ -298,7 +410,7 @@ class Engine:
         waiting = state.buffers[i + 1]
         state.buffers[i + 1] = hidden if waiting is None else torch.cat([waiting, hidden], dim=1)
         state.draft_exit[q] = i
-        if request.mode == "verify" and selector.params.do_sample:
+        if state.verifying and selector.params.do_sample:
             state.draft_probs[q] = torch.softmax(selector.scores(state.seq[:, : q + 1], logits), dim=-1)[0]
         self._append(state, token, int(token_id), layer, logits, request)
         return True
@@ -312,6 +424,7 @@ class Engine:
         for i in range(len(self.exits) + 1):
             hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, end)
         assert hidden is not None and chunk_start == state.deep_len
+        state.plan, state.cycle_drafts = None, 0
         return self._finish_deep(state, hidden, chunk_start, False, request, selector)
 
     def _finish_deep(
@@ -334,7 +447,7 @@ class Engine:
         state.fill_positions += m
         state.deep_len = chunk_start + m
         drafts = state.seq[0, chunk_start + 1 : chunk_start + 1 + n_drafts]  # (n_drafts,) exited tokens
-        if request.mode == "verify":
+        if state.verifying:
             logits = self.stack.logits(hidden)[0]  # (m, vocab)
             return self._verify(state, logits, chunk_start, drafts, has_current, request, selector)
         if not self.config.check_agreement:  # exited tokens are final and unchecked: only the new token's row
@@ -342,6 +455,7 @@ class Engine:
             hidden = hidden[:, -1:] if has_current else hidden[:, :0]
             if hidden.shape[1] == 0:
                 state.draft_exit.clear()
+                state.draft_key.clear()
                 return False
 
         logits = self.stack.logits(hidden)[0]  # (checked drafts + current, vocab)
@@ -355,6 +469,7 @@ class Engine:
         else:
             self._count_agreement(state, chunk_start, matches.tolist())
         state.draft_exit.clear()
+        state.draft_key.clear()
         return False
 
     def _verify(
@@ -422,7 +537,9 @@ class Engine:
             self._append(state, token, int(token.item()), self.full_layer, row, request)
         state.draft_exit.clear()
         state.draft_probs.clear()
+        state.draft_key.clear()
         _compat.trim_sliding(state.cache)
+        state.verifying = request.mode == "verify"  # exit mode: the n-gram cycle is over
         self._stream(state, request, self._verified_frontier(state, request))
         return rejected
 
@@ -441,6 +558,7 @@ class Engine:
         """Book the deep pass's verdict on exited tokens: per-exit counts and the rolling monitor."""
         for offset, ok in enumerate(matches):
             i = state.draft_exit[first_pos + offset]
+            state.tracker.observe(state.draft_key.get(first_pos + offset, ("exit", i)), bool(ok))
             state.checked_by_exit[i] += 1
             state.agreed_by_exit[i] += int(ok)
             state.recent_matches.append(bool(ok))
@@ -479,12 +597,13 @@ class Engine:
         state.depth.append(layer)
         if request.output_logits:
             state.logits.append(logits.detach().float().reshape(1, -1).clone())
-        if request.mode == "exit":
+        if not state.verifying:
             self._stream(state, request, len(state.tokens))
 
     def _verified_frontier(self, state: SequenceState, request: DecodeRequest) -> int:
-        """How many tokens are final: all in exit mode; up to the last deep prediction in verify mode."""
-        return len(state.tokens) if request.mode == "exit" else state.deep_len + 1
+        """How many tokens are final: all of them, unless drafts await verification (then up to the last deep
+        prediction)."""
+        return state.deep_len + 1 if state.verifying else len(state.tokens)
 
     def _stream(self, state: SequenceState, request: DecodeRequest, upto: int) -> None:
         if request.streamer is None:
@@ -543,6 +662,9 @@ class Engine:
             decode_tokens_per_s=(new - 1) / decode_s if decode_s > 0 and new > 1 else 0.0,
             routing_overhead=state.routing_s / wall if wall > 0 else 0.0,
             routing_s=state.routing_s,
+            plain_share=state.plain_steps / new if new else 0.0,
+            policy_cycles=dict(sorted(state.plan_counts.items())),
+            probes=state.probes,
             mode=request.mode,
             num_layers=self.stack.num_layers,
         )

@@ -77,13 +77,54 @@ class PostNormAdapter(nn.Module):
         return eye + self.proj.weight
 
 
+def _exit_normed(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
+    """What an exit feeds its LM head: the adapter (before or after the final norm) and the final norm."""
+    if adapter is None:
+        return stack.final_norm(hidden)
+    if getattr(adapter, "post_norm", False):
+        return adapter(stack.final_norm(hidden))
+    return stack.final_norm(adapter(hidden))
+
+
 def exit_logits(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
     """Exit-head logits `(..., vocab)` for hidden states `(..., hidden)`; adapter None is the logit lens."""
-    if adapter is None:
-        return stack.unembed(stack.final_norm(hidden))
-    if getattr(adapter, "post_norm", False):
-        return stack.unembed(adapter(stack.final_norm(hidden)))
-    return stack.unembed(stack.final_norm(adapter(hidden)))
+    return stack.unembed(_exit_normed(stack, adapter, hidden))
+
+
+class DraftHead(nn.Module):
+    """The model's LM head restricted to a fixed set of token ids (a vocabulary-trimmed draft head, as in FR-Spec).
+
+    A draft only has to propose tokens the deep pass will check with the full head, so a head over the K most
+    frequent ids proposes nearly every token the full one would, at K / vocab of its cost (and its slice of the
+    weight stays in cache). The weight slice is a copy: K x hidden values beside the base model.
+    """
+
+    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor) -> None:
+        super().__init__()
+        token_ids = token_ids.to(lm_head.weight.device)
+        self.register_buffer("token_ids", token_ids, persistent=False)
+        self.register_buffer("weight", lm_head.weight.detach()[token_ids].clone(), persistent=False)
+        bias = getattr(lm_head, "bias", None)
+        self.register_buffer("bias", None if bias is None else bias.detach()[token_ids].clone(), persistent=False)
+
+    @property
+    def size(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., K) logits over `token_ids`."""
+        return torch.nn.functional.linear(normed, self.weight, self.bias)
+
+
+def draft_logits(stack: Any, adapter: nn.Module | None, draft: DraftHead | None, hidden: torch.Tensor) -> torch.Tensor:
+    """An exit's draft logits `(..., vocab)`: the trimmed head's logits, -inf outside its token set (the full
+    exit head when `draft` is None). Full-width rows keep logits processors, sampling and the speculative-sampling
+    rule unchanged: a draft distribution that is zero outside the set is still a valid q."""
+    if draft is None:
+        return exit_logits(stack, adapter, hidden)
+    sub = stack.softcap(draft(_exit_normed(stack, adapter, hidden)))  # (..., K)
+    full = torch.full((*sub.shape[:-1], stack.vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
+    return full.index_copy_(-1, draft.token_ids, sub)
 
 
 class LearnedGate(nn.Module):
@@ -133,6 +174,24 @@ class ExitHeads(nn.Module):
     def gate(self, layer: int) -> nn.Module | None:
         key = str(layer)
         return self.gates[key] if key in self.gates else None
+
+    def draft_head(self, stack: Any, size: int) -> DraftHead | None:
+        """The trimmed draft head over the `size` highest-ranked token ids (None when `size` covers the vocabulary).
+
+        The ranking is `draft_ranking` when the checkpoint has one (token ids, most frequent first), else id order,
+        which follows BPE merge order and so frequency, roughly. Built once per size, device and dtype."""
+        vocab = stack.vocab_size
+        if size <= 0 or size >= vocab:
+            return None
+        weight = stack.lm_head.weight
+        key = (size, weight.device, weight.dtype, weight.data_ptr())
+        cached = self.__dict__.setdefault("_draft_heads", {})
+        if key not in cached:
+            ranking = getattr(self, "draft_ranking", None)
+            ids = ranking[:size] if ranking is not None else torch.arange(size)
+            cached.clear()  # one size at a time: a stale slice is memory for nothing
+            cached[key] = DraftHead(stack.lm_head, torch.sort(ids.long()).values)
+        return cached[key]
 
     def add_gates(self, hidden_size: int) -> None:
         """Give every exit a (zero-initialised) learned gate; training fills them."""

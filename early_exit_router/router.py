@@ -17,10 +17,12 @@ from . import __version__, _compat
 from .architecture import LayerStack, spec_for
 from .checkpoint import BaseModelIdentity, head_fingerprint, head_hash, is_router_dir, load_router, save_router
 from .config import MODES, RouterConfig
+from .costs import CostModel, cost_model_for
 from .engine import DecodeRequest, Engine
 from .heads import ExitHeads
 from .hf_generate import RoutedGenerate
 from .models import load_base_model, resolve_alias, shipped_checkpoint
+from .ngram import SuffixStore
 from .routing import Router
 from .sampling import SamplingParams, TokenSelector
 from .stats import GenerationStats
@@ -68,6 +70,10 @@ class EarlyExitRouter:
         self._state = "new"  # -> "patched"; "disabled" inside disabled(); "unpatched" for good
         self.last_stats: GenerationStats | None = None  # of the last model.generate() call the router served
         self._warned_untrained = False
+        # The cost policy's table: measured on first use (cached on disk per model shape and device); assign a
+        # CostModel here to decide from another table (e.g. CostModel.synthetic for a what-if).
+        self.cost_model: CostModel | None = None
+        self._ngram_store: SuffixStore | None = None
 
     # -------------------------------------------------------------------------------------------- construction
     @classmethod
@@ -352,8 +358,34 @@ class EarlyExitRouter:
 
     def _run_engine(self, input_ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> tuple:
         """One decode with the current config: `Engine.generate`'s (sequences, stats, logits, cache, depths)."""
-        engine = Engine(self._stack, self.heads, Router(self.config, self._stack.vocab_size), self.config)
+        config = self.config
+        costs = self.costs() if config.policy == "cost" and request.mode == "verify" else None
+        router = Router(config, self._stack.vocab_size)
+        engine = Engine(self._stack, self.heads, router, config, costs, self.ngram_store())
         return engine.generate(input_ids, request, selector)
+
+    def costs(self, refresh: bool = False) -> CostModel:
+        """The cost model the policy decides from: `cost_model` when assigned, else measured on this device.
+
+        Measuring takes a few seconds once per model shape, device, dtype and library versions; the result is
+        cached on disk (see `costs.py`). `refresh=True` measures again."""
+        if self.cost_model is not None and not refresh:
+            return self.cost_model
+        max_chunk = max(16, self.config.max_pending + 1)
+        measured = cost_model_for(self._stack, self.heads, self.config.draft_vocab_size, max_chunk, refresh=refresh)
+        if refresh:
+            self.cost_model = measured
+        return measured
+
+    def ngram_store(self) -> SuffixStore | None:
+        """This router's store of earlier sequences for the n-gram tier (None when `ngram_store_tokens` is 0)."""
+        cfg = self.config
+        if not cfg.ngram_tier or cfg.ngram_store_tokens <= 0:
+            return None
+        store = self._ngram_store
+        if store is None or (store.max_tokens, store.max_ngram) != (cfg.ngram_store_tokens, cfg.ngram_size):
+            store = self._ngram_store = SuffixStore(cfg.ngram_store_tokens, cfg.ngram_size)
+        return store
 
     def _check_input_ids(self, input_ids: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
         if not torch.is_tensor(input_ids):

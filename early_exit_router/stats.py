@@ -33,6 +33,9 @@ class GenerationStats:
     decode_tokens_per_s: float = 0.0  # new tokens after the first / (wall_time_s - prefill_s)
     routing_overhead: float = 0.0  # share of wall time spent in routing decisions (gates, signals, their sync)
     routing_s: float = 0.0
+    plain_share: float = 0.0  # cost policy: share of new tokens decoded plainly (no draft, no head, no gate)
+    policy_cycles: dict[str, int] = field(default_factory=dict)  # cost policy: draft cycles per plan kind
+    probes: int = 0  # cost policy: plain steps that scored the exits' draft heads (shadow tokens)
     mode: str = "exit"
     num_layers: int = 0
 
@@ -65,4 +68,12 @@ class GenerationStats:
                 f"forced {self.forced_deep}); routing overhead {self.routing_overhead:.1%}"
                 + (f"; controller moved the thresholds by {self.threshold_shift:+.2f}" if self.threshold_shift else ""),
             ]
+            + (
+                [
+                    f"cost policy: cycles {', '.join(f'{k} {v}' for k, v in self.policy_cycles.items())}; "
+                    f"plain share {self.plain_share:.2f}; {self.probes} probes"
+                ]
+                if self.policy_cycles
+                else []
+            )
         )

@@ -53,10 +53,15 @@ def prompt(seed: int = 1, length: int = 6) -> torch.Tensor:
     return torch.randint(1, VOCAB, (1, length), generator=g)
 
 
-NEVER_EXIT = dict(high_conf_threshold=1.0, low_conf_threshold=1.0, entropy_threshold=0.0)
-ALWAYS_EXIT = dict(high_conf_threshold=0.0, low_conf_threshold=0.0)
+# The threshold cascade at every exit, the full exit head and no n-gram tier: tests of the cascade itself pin these,
+# so that the cost policy (which decides from measured times) and the n-gram tier cannot change what they check.
+CASCADE = dict(policy="fixed", ngram_tier=False, draft_vocab_size=0)
+NEVER_EXIT = dict(high_conf_threshold=1.0, low_conf_threshold=1.0, entropy_threshold=0.0, **CASCADE)
+ALWAYS_EXIT = dict(high_conf_threshold=0.0, low_conf_threshold=0.0, **CASCADE)
 # Shallow confidences of the tiny models sit around 0.04-0.13 (96-token vocabulary): this threshold mixes depths.
-MIXED = dict(high_conf_threshold=0.06, low_conf_threshold=0.0, entropy_threshold=0.0)
+MIXED = dict(high_conf_threshold=0.06, low_conf_threshold=0.0, entropy_threshold=0.0, **CASCADE)
+# The n-gram tier as it was: in exit mode its drafts stay unverified (lossy).
+UNVERIFIED_NGRAM = dict(ngram_tier=True, ngram_unverified=True)
 
 
 def assert_cache_matches_full_forward(model, sequences: torch.Tensor, cache, atol: float = 1e-5) -> None:

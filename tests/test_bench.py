@@ -36,7 +36,7 @@ def test_bench_runs_every_arm_and_writes_json_and_png(tmp_path):
     arms = [a.name for a in result.arms]
     assert arms[:2] == [CONTROL, ENGINE_CONTROL]
     expected = {"router exit (loaded config)", "router exit @0.05", "router verify @0.05"}
-    assert expected | {"router verify + n-gram (loaded config)"} <= set(arms)
+    assert expected | {"router verify, n-gram tier only", "router verify, fixed cascade, no n-gram"} <= set(arms)
     assert "HF assisted, early exit 4" in arms and "HF prompt lookup 3" in arms
     assert len(result.records) == len(arms) * 2
     by_arm = {(row["category"], row["arm"]): row for row in result.summary}
@@ -137,7 +137,16 @@ def test_cli_generate_trace_bench_and_calibrate(tiny_folder, tmp_path, capsys):
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     bench_dir = tmp_path / "bench"
     bench = ["bench", "--model", str(tiny_folder), "--prompts", str(prompts), "--max-new-tokens", "4"]
-    bench += ["--thresholds", "0.05", "--modes", "exit", "--no-ngram", "--assistant-early-exit", ""]
+    bench += [
+        "--thresholds",
+        "0.05",
+        "--modes",
+        "exit",
+        "--no-ngram",
+        "--no-fixed-cascade",
+        "--assistant-early-exit",
+        "",
+    ]
     assert main(bench + ["--prompt-lookup", "0", "--out", str(bench_dir), "--quiet"] + options) == 0
     assert (bench_dir / "bench.png").is_file()
     assert {r["arm"] for r in json.loads((bench_dir / "bench.json").read_text())["summary"]} == {

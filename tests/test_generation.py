@@ -10,7 +10,17 @@ from transformers.generation.streamers import BaseStreamer
 
 from early_exit_router import EarlyExitRouter
 
-from .conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, VOCAB, assert_cache_matches_full_forward, prompt, tiny_llama
+from .conftest import (
+    ALWAYS_EXIT,
+    CASCADE,
+    MIXED,
+    NEVER_EXIT,
+    UNVERIFIED_NGRAM,
+    VOCAB,
+    assert_cache_matches_full_forward,
+    prompt,
+    tiny_llama,
+)
 
 
 def hf_greedy(model, ids, n, **kwargs):
@@ -77,6 +87,7 @@ def random_thresholds(rng: random.Random) -> dict:
         entropy_threshold=rng.uniform(0.9, 1.0),
         max_pending=rng.randint(1, 6),
         block_size=rng.randint(1, 3),
+        **CASCADE,
     )
 
 
@@ -325,7 +336,7 @@ def test_verify_mode_with_the_ngram_tier_is_greedy_identical(trial):
     ids = repetitive_prompt(rng.randint(2, 4))
     n = rng.randint(5, 30)
     ref = model.generate(ids, max_new_tokens=n, do_sample=False)
-    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], ngram_tier=True, **random_thresholds(rng))
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **{**random_thresholds(rng), "ngram_tier": True})
     out = router.generate(ids, max_new_tokens=n, mode="verify")
     assert torch.equal(out.sequences, ref)
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
@@ -333,7 +344,7 @@ def test_verify_mode_with_the_ngram_tier_is_greedy_identical(trial):
 
 def test_ngram_tier_proposes_on_repetitive_text_and_fills_the_cache_in_exit_mode():
     model = tiny_llama(0)
-    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], ngram_tier=True, max_pending=6, **NEVER_EXIT)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], max_pending=6, **{**NEVER_EXIT, **UNVERIFIED_NGRAM})
     out = router.generate(repetitive_prompt(), max_new_tokens=30, mode="exit")
     assert out.stats.exit_histogram.get(-1, 0) > 0, out.stats.exit_histogram  # its own histogram row
     assert -1 in out.stats.agreement_by_layer

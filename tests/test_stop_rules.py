@@ -12,7 +12,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from early_exit_router import EarlyExitRouter
 
-from .conftest import NEVER_EXIT, assert_cache_matches_full_forward, tiny_llama, tiny_tokenizer
+from .conftest import NEVER_EXIT, UNVERIFIED_NGRAM, assert_cache_matches_full_forward, tiny_llama, tiny_tokenizer
 
 
 def looping_prompt() -> torch.Tensor:
@@ -32,8 +32,9 @@ class StopOnToken(StoppingCriteria):
 
 
 def ngram_router(model, **overrides):
+    """Exit mode keeps these drafts unverified, the lossy path where the stop rules were missed."""
     return EarlyExitRouter.from_model(
-        model, exit_layers=[1, 3], ngram_tier=True, ngram_draft=6, max_pending=8, **{**NEVER_EXIT, **overrides}
+        model, exit_layers=[1, 3], ngram_draft=6, max_pending=8, **{**NEVER_EXIT, **UNVERIFIED_NGRAM, **overrides}
     )
 
 
@@ -105,7 +106,7 @@ def test_stop_strings_inside_a_draft_stop_like_plain_decoding(mode, extra):
     text = tokenizer.decode(expected[0, ids.shape[1] :].tolist())
     stop = text[text.index(word) :]
     router = EarlyExitRouter.from_model(
-        model, tokenizer, exit_layers=[1, 3], ngram_tier=True, ngram_draft=6, max_pending=8, **NEVER_EXIT
+        model, tokenizer, exit_layers=[1, 3], ngram_draft=6, max_pending=8, **{**NEVER_EXIT, **UNVERIFIED_NGRAM}
     )
     out = router.generate(ids, max_new_tokens=30, mode=mode, stop_strings=[stop])
     assert out.stats.exit_histogram.get(-1, 0) > 0

@@ -1,0 +1,242 @@
+"""A measured cost model: what one decoder layer, the full LM head and an exit's draft head cost on this device.
+
+The router decides from these numbers, not from layer counts. Whether drafting pays depends on how the cost of a
+chunk grows with its length: on a GPU at batch 1 a chunk of 8 positions costs about what one position costs
+(decoding is bound by reading the weights), on a 2-core CPU it costs about twice as much, and some BLAS builds are
+slower at 2-3 rows than at 4. One policy reads the same table everywhere and drafts long where chunks are cheap and
+sparingly where they are not.
+
+Costs are measured once per model shape, device, dtype and library versions, in milliseconds, and cached on disk as
+JSON (`cache_root()/costs/<key hash>.json`), so later processes load them in a millisecond.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+COST_FORMAT_VERSION = 1
+
+
+@dataclass
+class CostModel:
+    """Milliseconds per operation, measured on one device. Tables are indexed by chunk length - 1."""
+
+    layer_ms: list[float]  # one decoder layer over a chunk of m new positions, m = 1..len(layer_ms)
+    head_ms: list[float]  # final norm + full LM head over m rows
+    draft_head_ms: float  # one row through an exit adapter, the final norm and the trimmed draft head
+    gate_ms: float  # one learned-gate call (0 where there are no gates)
+    num_layers: int
+    key: dict[str, Any] = field(default_factory=dict)
+    context: int = 0  # cached positions each layer held while measured
+
+    @property
+    def max_chunk(self) -> int:
+        return len(self.layer_ms)
+
+    @staticmethod
+    def _at(table: list[float], m: int) -> float:
+        """The cost at chunk length m; past the table's end, linear in m (the compute-bound regime)."""
+        if m <= 0:
+            return 0.0
+        if m <= len(table):
+            return table[m - 1]
+        return table[-1] * m / len(table)
+
+    def layers(self, count: int, m: int) -> float:
+        """`count` layers over a chunk of m positions."""
+        return count * self._at(self.layer_ms, m)
+
+    def head(self, m: int) -> float:
+        """The full LM head over m rows."""
+        return self._at(self.head_ms, m)
+
+    def plain_step(self) -> float:
+        """One token of plain decoding: every layer for one position, one head row."""
+        return self.layers(self.num_layers, 1) + self.head(1)
+
+    def markdown(self) -> str:
+        """The table `early-exit-router profile` prints."""
+        plain = self.plain_step()
+        lines = [
+            f"cost model ({self.key.get('device', '?')}, {self.key.get('dtype', '?')}, {self.num_layers} layers, "
+            f"cache of {self.context} positions): plain decoding step {plain:.2f} ms",
+            f"draft head (exit adapter + norm + trimmed head, 1 row): {self.draft_head_ms:.3f} ms; "
+            f"learned gate: {self.gate_ms:.3f} ms",
+            "",
+            "| chunk m | one layer ms | all layers ms | full head ms | verify pass / plain step |",
+            "|---|---|---|---|---|",
+        ]
+        for m in range(1, self.max_chunk + 1):
+            full = self.layers(self.num_layers, m)
+            lines.append(
+                f"| {m} | {self._at(self.layer_ms, m):.3f} | {full:.2f} | {self.head(m):.2f} | "
+                f"{(full + self.head(m)) / plain:.2f} |"
+            )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format_version": COST_FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostModel:
+        data = dict(data)
+        version = data.pop("format_version", None)
+        if version != COST_FORMAT_VERSION:
+            raise ValueError(f"cost model format {version!r} is not {COST_FORMAT_VERSION}")
+        return cls(**data)
+
+    @classmethod
+    def synthetic(
+        cls, num_layers: int, layer_ms: list[float], head_ms: list[float], draft_head_ms: float = 0.0
+    ) -> CostModel:
+        """A hand-made table (tests, what-if analysis): e.g. flat chunk costs for a bandwidth-bound GPU."""
+        return cls(list(layer_ms), list(head_ms), draft_head_ms, 0.0, num_layers, {"device": "synthetic"})
+
+
+def cost_key(stack: Any, draft_vocab_size: int, max_chunk: int) -> dict[str, Any]:
+    """What the measured costs depend on: the model's shape, the device, dtype, threads and library versions."""
+    import transformers
+
+    from . import __version__
+
+    cfg = stack.config
+    device = stack.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{os.cpu_count()}"
+    return {
+        "model_type": str(getattr(cfg, "model_type", "")),
+        "num_layers": stack.num_layers,
+        "hidden_size": stack.hidden_size,
+        "intermediate_size": getattr(cfg, "intermediate_size", None),
+        "num_attention_heads": getattr(cfg, "num_attention_heads", None),
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None),
+        "vocab_size": stack.vocab_size,
+        "device": f"{device.type}:{name}",
+        "dtype": str(stack.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "library": __version__,
+        "draft_vocab_size": draft_vocab_size,
+        "max_chunk": max_chunk,
+    }
+
+
+def cache_path(key: dict[str, Any]) -> Path:
+    from .models import cache_root
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_root() / "costs" / f"{digest}.json"
+
+
+def load_cached(key: dict[str, Any]) -> CostModel | None:
+    """The cached cost model for exactly this key, or None (missing, unreadable, or written for another key)."""
+    path = cache_path(key)
+    try:
+        model = CostModel.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return model if model.key == key else None
+
+
+def save_cached(model: CostModel) -> Path:
+    path = cache_path(model.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(model.to_dict(), indent=2) + "\n")
+    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    return path
+
+
+def _timer(device: torch.device, reps: int) -> Callable[[Callable[[], Any]], float]:
+    """Median milliseconds of `reps` calls (after one warm-up), synchronising the device around each."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        fn()
+        samples = []
+        for _ in range(reps):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            samples.append((time.perf_counter() - start) * 1000)
+        return statistics.median(samples)
+
+    return timed
+
+
+@torch.no_grad()
+def measure(
+    stack: Any,
+    heads: Any,
+    draft_vocab_size: int,
+    max_chunk: int = 16,
+    context: int = 128,
+    reps: int = 5,
+    probe_layers: int = 4,
+) -> CostModel:
+    """Time `probe_layers` decoder layers at chunk lengths 1..max_chunk over a cache of `context` positions, the
+    full head at 1..max_chunk rows, one draft-head row and one gate call. Layers of one model share their shape,
+    so a few of them give the per-layer cost of all."""
+    from ._compat import crop_cache_layer, prepare_for_rollback
+    from .heads import draft_logits
+
+    device, dtype, hidden = stack.device, stack.dtype, stack.hidden_size
+    timed = _timer(device, reps)
+    count = min(probe_layers, stack.num_layers)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def states(m: int) -> torch.Tensor:
+        return (torch.randn(1, m, hidden, generator=generator) * 0.5).to(device=device, dtype=dtype)
+
+    cache = stack.new_cache()
+    prepare_for_rollback(cache)  # sliding-window layers: keep evicted states so the crops below can undo a chunk
+    stack.run(states(context), 0, count, cache, torch.arange(context, device=device).unsqueeze(0))
+    layer_ms, head_ms = [], []
+    for m in range(1, max_chunk + 1):
+        x, positions = states(m), torch.arange(context, context + m, device=device).unsqueeze(0)
+
+        def chunk(x: torch.Tensor = x, positions: torch.Tensor = positions) -> None:
+            stack.run(x, 0, count, cache, positions)
+            for layer_idx in range(count):
+                crop_cache_layer(cache, layer_idx, context)
+
+        layer_ms.append(timed(chunk) / count)
+        head_ms.append(timed(lambda x=x: stack.logits(x)))
+    row = states(1)[:, 0]
+    exit_layer = heads.exit_layers[0] if heads.exit_layers else None
+    adapter = heads.adapter(exit_layer) if exit_layer is not None else None
+    draft = heads.draft_head(stack, draft_vocab_size) if draft_vocab_size else None
+    draft_ms = timed(lambda: draft_logits(stack, adapter, draft, row)) if exit_layer is not None else 0.0
+    gate = heads.gate(exit_layer) if exit_layer is not None else None
+    gate_ms = timed(lambda: gate(row)) if gate is not None else 0.0
+    return CostModel(
+        layer_ms, head_ms, draft_ms, gate_ms, stack.num_layers, cost_key(stack, draft_vocab_size, max_chunk), context
+    )
+
+
+def cost_model_for(stack: Any, heads: Any, draft_vocab_size: int, max_chunk: int, refresh: bool = False) -> CostModel:
+    """The cached cost model for this model and device, measured (a few seconds) and cached when missing."""
+    key = cost_key(stack, draft_vocab_size, max_chunk)
+    cached = None if refresh else load_cached(key)
+    if cached is not None:
+        return cached
+    model = measure(stack, heads, draft_vocab_size, max_chunk)
+    try:
+        save_cached(model)
+    except OSError:  # a read-only cache folder: keep the measurement for this process only
+        pass
+    return model

@@ -1,0 +1,94 @@
+"""The zero-layer draft tier: copy what followed the same tokens earlier, in this context or in earlier outputs.
+
+`ngram_match` looks in the current context (prompt lookup); `SuffixStore` keeps a bounded store of this router's
+earlier sequences across calls (as SuffixDecoding does for agentic workloads, where the same structures recur from
+request to request). Both return the proposal and the length of the match behind it: a longer match is a better
+predictor, so the router estimates acceptance per match length and drafts further where matches are long.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+def ngram_match(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: int = 2) -> tuple[list[int], int]:
+    """The tokens that followed the latest earlier occurrence of the longest matching suffix, and its length.
+
+    Tries suffixes of `max_ngram` down to `min_ngram` tokens; returns up to `max_draft` tokens, or ([], 0).
+    """
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence first, excluding the suffix itself
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + max_draft], n
+    return [], 0
+
+
+def ngram_lookup(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: int = 2) -> list[int]:
+    """Prompt lookup: `ngram_match`'s proposal alone."""
+    return ngram_match(tokens, max_ngram, max_draft, min_ngram)[0]
+
+
+class SuffixStore:
+    """A bounded store of earlier token sequences, indexed by their n-grams for O(1) lookup.
+
+    At most `max_tokens` tokens are kept (oldest sequences are dropped first, a too-long sequence keeps its end), and
+    the index holds at most `(max_ngram - min_ngram + 1) * max_tokens` entries. One store belongs to one router and
+    is never shared, so one user's text cannot leak into another router's drafts.
+    """
+
+    def __init__(self, max_tokens: int, max_ngram: int, min_ngram: int = 2) -> None:
+        self.max_tokens = max_tokens
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._sequences: OrderedDict[int, list[int]] = OrderedDict()
+        self._index: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (sequence id, position after it)
+        self._next_id = 0
+        self.num_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def index_size(self) -> int:
+        return len(self._index)
+
+    def add(self, tokens: list[int]) -> None:
+        """Remember a finished sequence (prompt and output)."""
+        if self.max_tokens <= 0 or len(tokens) <= self.min_ngram:
+            return
+        tokens = list(tokens[-self.max_tokens :])
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        self._sequences[seq_id] = tokens
+        self.num_tokens += len(tokens)
+        evicted = False
+        while self.num_tokens > self.max_tokens:
+            _, old = self._sequences.popitem(last=False)
+            self.num_tokens -= len(old)
+            evicted = True
+        if evicted:  # entries of dropped sequences would point nowhere: rebuild from what is left (rare)
+            self._index.clear()
+            for kept_id, kept in self._sequences.items():
+                self._index_sequence(kept_id, kept)
+        else:
+            self._index_sequence(seq_id, tokens)
+
+    def _index_sequence(self, seq_id: int, tokens: list[int]) -> None:
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            for end in range(n, len(tokens)):  # a continuation must exist after the n-gram
+                self._index[tuple(tokens[end - n : end])] = (seq_id, end)  # later occurrences win
+
+    def lookup(self, tokens: list[int], max_draft: int) -> tuple[list[int], int]:
+        """What followed the longest suffix of `tokens` in a stored sequence, and the match length ([] , 0: none)."""
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(tokens) < n:
+                continue
+            hit = self._index.get(tuple(tokens[-n:]))
+            if hit is not None:
+                seq_id, end = hit
+                proposal = self._sequences[seq_id][end : end + max_draft]
+                if proposal:
+                    return proposal, n
+        return [], 0

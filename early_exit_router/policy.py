@@ -1,0 +1,122 @@
+"""Expected-gain routing: per draft cycle, draft from the tier with the most expected tokens per millisecond.
+
+A cycle drafts `d` tokens from one tier (an exit, or the zero-layer n-gram tier), then one deep pass verifies them
+and emits the full model's next token. With per-position acceptance `a`, the cycle yields on average
+`E(a, d) = 1 + a + ... + a^d = (1 - a^(d+1)) / (1 - a)` tokens (DEL's tokens-per-layer idea, TPL(l, d), with the
+layer counts replaced by measured milliseconds):
+
+- n-gram tier: the proposal costs nothing; the verify pass runs every layer over d + 1 positions and the head
+  over d + 1 rows.
+- exit `e`: each draft runs layers 0..e for one position plus the trimmed draft head (and gate); the token that goes
+  deep runs layers 0..e alone, then layers e+1.. over the d + 1 positions, then the head over d + 1 rows.
+- plain decoding: one token per plain step (every layer, one head row), and no head or gate at any exit.
+
+The option with the best tokens per millisecond wins; drafting must beat plain decoding by `margin`, so that a
+near-tie decodes plainly. Acceptance is estimated online per tier (and per match length for the n-gram tier) from
+the deep pass's verdict on every draft, and from "shadow" checks: on plain steps the n-gram proposal that was not
+used is checked against the token the full model chose, and every `probe_interval` plain steps each exit's draft
+head is scored on the hidden state the step computed anyway, so a tier that was switched off is noticed when the
+text becomes predictable again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .costs import CostModel
+
+TierKey = tuple[str, int]  # ("exit", exit index) or ("ngram", match length)
+
+
+def expected_tokens(a: float, d: int) -> float:
+    """Tokens one cycle of d drafts emits on average: the accepted prefix plus the deep pass's own token."""
+    if a >= 1.0:
+        return d + 1.0
+    return (1.0 - a ** (d + 1)) / (1.0 - a)
+
+
+@dataclass
+class AcceptanceTracker:
+    """Exponential moving averages of per-position acceptance, one per tier key, starting at `prior`."""
+
+    prior: float = 0.5
+    rate: float = 0.15  # weight of each new verdict
+    estimates: dict[TierKey, float] = field(default_factory=dict)
+    observations: dict[TierKey, int] = field(default_factory=dict)
+
+    def estimate(self, key: TierKey) -> float:
+        return self.estimates.get(key, self.prior)
+
+    def observe(self, key: TierKey, accepted: bool) -> None:
+        a = self.estimate(key)
+        self.estimates[key] = a + self.rate * (float(accepted) - a)
+        self.observations[key] = self.observations.get(key, 0) + 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one draft cycle does: 'plain' (no draft), 'ngram' (`proposal`) or 'exit' (exit index `tier`)."""
+
+    kind: str
+    max_draft: int = 0
+    tier: int = -1
+    key: TierKey | None = None
+    proposal: tuple[int, ...] = ()
+    rate: float = 0.0  # expected tokens per ms
+
+
+class DraftPolicy:
+    """Chooses each cycle's plan from a cost model and acceptance estimates."""
+
+    def __init__(self, costs: CostModel, exit_layers: list[int], uses_gate: list[bool], margin: float = 0.03) -> None:
+        self.costs = costs
+        self.exit_layers = list(exit_layers)
+        self.uses_gate = list(uses_gate)
+        self.margin = margin
+        self.plain_rate = 1.0 / costs.plain_step()
+
+    def ngram_cycle_ms(self, d: int) -> float:
+        c = self.costs
+        return c.layers(c.num_layers, d + 1) + c.head(d + 1)
+
+    def exit_cycle_ms(self, i: int, d: int) -> float:
+        c, e = self.costs, self.exit_layers[i]
+        shallow = c.layers(e + 1, 1)
+        per_draft = shallow + c.draft_head_ms + (c.gate_ms if self.uses_gate[i] else 0.0)
+        return d * per_draft + shallow + c.layers(c.num_layers - e - 1, d + 1) + c.head(d + 1)
+
+    @staticmethod
+    def best_draft(a: float, cycle_ms: Callable[[int], float], max_draft: int) -> tuple[int, float]:
+        """The draft length with the most expected tokens per ms, and that rate (0, 0.0 when max_draft < 1)."""
+        best_d, best_rate = 0, 0.0
+        for d in range(1, max_draft + 1):
+            rate = expected_tokens(a, d) / cycle_ms(d)
+            if rate > best_rate:
+                best_d, best_rate = d, rate
+        return best_d, best_rate
+
+    def plan(
+        self,
+        tracker: AcceptanceTracker,
+        budget: int,
+        proposal: list[int],
+        match_len: int,
+        exits: bool = True,
+    ) -> Plan:
+        """The best plan for a cycle that may draft up to `budget` tokens (plain when nothing beats it)."""
+        best = Plan("plain", rate=self.plain_rate)
+        threshold = self.plain_rate * (1.0 + self.margin)
+        if budget < 1:
+            return best
+        if proposal:
+            key: TierKey = ("ngram", match_len)
+            d, rate = self.best_draft(tracker.estimate(key), self.ngram_cycle_ms, min(budget, len(proposal)))
+            if rate > max(best.rate, threshold):
+                best = Plan("ngram", d, key=key, proposal=tuple(proposal[:d]), rate=rate)
+        for i in range(len(self.exit_layers) if exits else 0):
+            key = ("exit", i)
+            d, rate = self.best_draft(tracker.estimate(key), lambda d, i=i: self.exit_cycle_ms(i, d), budget)
+            if rate > max(best.rate, threshold):
+                best = Plan("exit", d, tier=i, key=key, rate=rate)
+        return best

@@ -1,0 +1,203 @@
+"""The measured cost model, the expected-gain policy, the trimmed draft head and the cross-call n-gram store."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from early_exit_router import EarlyExitRouter, costs
+from early_exit_router.costs import CostModel, cost_model_for
+from early_exit_router.ngram import SuffixStore
+from early_exit_router.policy import AcceptanceTracker, DraftPolicy, expected_tokens
+
+from .conftest import VOCAB, assert_cache_matches_full_forward, prompt, tiny_llama
+
+FLAT = CostModel.synthetic(30, layer_ms=[1.0] * 16, head_ms=[6.0] * 16, draft_head_ms=0.1)  # bandwidth-bound GPU
+STEEP = CostModel.synthetic(  # a small CPU: every extra position in a chunk costs almost as much as the first
+    30, layer_ms=[0.9 * m + 0.1 for m in range(1, 17)], head_ms=[5.0 * m + 1.0 for m in range(1, 17)], draft_head_ms=1
+)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_the_cost_model_is_measured_once_cached_and_invalidated_by_its_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    stack, heads = router._stack, router.heads
+    first = cost_model_for(stack, heads, 32, max_chunk=4)
+    assert len(first.layer_ms) == 4 and len(first.head_ms) == 4 and all(t > 0 for t in first.layer_ms)
+    assert first.draft_head_ms > 0 and first.num_layers == 6
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again although a cached table matches")
+
+    monkeypatch.setattr(costs, "measure", no_measuring)
+    assert cost_model_for(stack, heads, 32, max_chunk=4) == first  # reloaded from disk, equal in every field
+    with pytest.raises(AssertionError, match="measured again"):
+        cost_model_for(stack, heads, 16, max_chunk=4)  # another draft head size: another key
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    with pytest.raises(AssertionError, match="measured again"):
+        cost_model_for(stack, heads, 32, max_chunk=4)  # another thread count: another key
+
+
+def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    model = cost_model_for(router._stack, router.heads, 0, max_chunk=2)
+    costs.cache_path(model.key).write_text("{not json")
+    assert costs.load_cached(model.key) is None
+    assert cost_model_for(router._stack, router.heads, 0, max_chunk=2).key == model.key
+
+
+def test_flat_chunk_costs_lead_to_long_drafts():
+    policy = DraftPolicy(FLAT, [10, 20], [False, False])
+    plan = policy.plan(AcceptanceTracker(prior=0.8), budget=8, proposal=list(range(8)), match_len=3)
+    assert plan.kind == "ngram" and plan.max_draft == 8
+    plan = policy.plan(AcceptanceTracker(prior=0.95), budget=8, proposal=[], match_len=0)
+    assert plan.kind == "exit" and plan.tier == 0 and plan.max_draft >= 5
+    steep = DraftPolicy(STEEP, [10, 20], [False, False]).plan(AcceptanceTracker(prior=0.95), 8, list(range(8)), 3)
+    assert steep.kind == "ngram" and steep.max_draft < 8  # the same acceptance drafts shorter where chunks cost
+
+
+def test_steep_chunk_costs_with_low_acceptance_lead_to_plain_decoding():
+    policy = DraftPolicy(STEEP, [10, 20], [False, False])
+    plan = policy.plan(AcceptanceTracker(prior=0.3), budget=8, proposal=list(range(8)), match_len=2)
+    assert plan.kind == "plain" and plan.max_draft == 0
+    # ...and the same costs with near-certain copies do draft, but shorter than on flat costs
+    plan = policy.plan(AcceptanceTracker(prior=0.97), budget=8, proposal=list(range(8)), match_len=4)
+    assert plan.kind == "ngram" and 1 <= plan.max_draft
+
+
+def counting_hooks(router):
+    """Forward-call counters on the LM head, every adapter, gate and the trimmed draft head."""
+    calls = {"lm_head_rows": 0, "adapters": 0, "gates": 0}
+    stack = router._stack
+
+    def head(module, args):
+        calls["lm_head_rows"] += args[0].reshape(-1, args[0].shape[-1]).shape[0]
+
+    def named(key):
+        def hook(module, args):
+            calls[key] += 1
+
+        return hook
+
+    handles = [stack.lm_head.register_forward_pre_hook(head)]
+    handles += [m.register_forward_pre_hook(named("adapters")) for m in router.heads.adapters.values()]
+    handles += [m.register_forward_pre_hook(named("gates")) for m in router.heads.gates.values()]
+    return calls, handles
+
+
+def test_plain_fallback_is_token_identical_and_runs_no_head_and_no_gate():
+    model = tiny_llama(0)
+    ids = prompt(0)
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False)
+    router = EarlyExitRouter.from_model(
+        model, exit_layers=[1, 3], probe_interval=0, acceptance_prior=0.2, high_conf_threshold=0.0, low_conf_threshold=0
+    )
+    router.heads.add_gates(32)
+    router.cost_model = CostModel.synthetic(6, [0.9 * m + 0.1 for m in range(1, 17)], [5.0 * m for m in range(1, 17)])
+    calls, handles = counting_hooks(router)
+    try:
+        out = router.generate(ids, max_new_tokens=20, mode="verify")
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.plain_share == pytest.approx(19 / 20)  # every decode step; the prefill's token is not one
+    assert out.stats.policy_cycles == {"plain": 19}
+    assert calls == {"lm_head_rows": 20, "adapters": 0, "gates": 0}  # one row per token, nothing at the exits
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_probes_score_the_exits_at_a_bounded_rate():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], probe_interval=4, acceptance_prior=0.2)
+    router.cost_model = CostModel.synthetic(6, [0.9 * m + 0.1 for m in range(1, 17)], [5.0 * m for m in range(1, 17)])
+    calls, handles = counting_hooks(router)
+    try:
+        out = router.generate(prompt(0), max_new_tokens=21, mode="verify")
+    finally:
+        for h in handles:
+            h.remove()
+    assert out.stats.probes == 5  # plain steps 0, 4, 8, 12, 16 of 20
+    assert calls["adapters"] == 2 * 5  # both exits' draft heads, on probe steps only
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_trimmed_drafts_in_verify_mode_equal_greedy_across_random_thresholds(trial):
+    rng = random.Random(700 + trial)
+    model = tiny_llama(trial % 3)
+    ids = prompt(trial, length=rng.randint(3, 9))
+    n = rng.randint(8, 30)
+    ref = model.generate(ids, max_new_tokens=n, do_sample=False)
+    router = EarlyExitRouter.from_model(
+        model,
+        exit_layers=[1, 3],
+        draft_vocab_size=rng.choice([8, 32, 64]),
+        high_conf_threshold=rng.uniform(0.05, 0.5),
+        low_conf_threshold=0.0,
+        max_pending=rng.randint(1, 8),
+        acceptance_prior=rng.choice([0.6, 0.9]),
+        ngram_tier=rng.random() < 0.5,
+    )
+    router.cost_model = CostModel.synthetic(6, [1.0] * 16, [6.0] * 16, draft_head_ms=0.1)  # drafting pays
+    out = router.generate(ids, max_new_tokens=n, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    assert any(k.startswith("exit") for k in out.stats.policy_cycles), out.stats.policy_cycles
+    assert out.stats.exited_checked > 0  # drafts happened and the deep pass judged them
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_the_draft_head_covers_only_its_token_set():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], draft_vocab_size=16)
+    from early_exit_router.heads import draft_logits
+
+    draft = router.heads.draft_head(router._stack, 16)
+    logits = draft_logits(router._stack, router.heads.adapter(1), draft, torch.randn(1, 32))
+    assert logits.shape == (1, VOCAB)
+    assert torch.isfinite(logits[0, :16]).all() and torch.isinf(logits[0, 16:]).all()
+    full = router._stack.unembed(router._stack.final_norm(router.heads.adapter(1)(torch.randn(1, 32))))
+    assert full.shape == (1, VOCAB)
+    assert router.heads.draft_head(router._stack, VOCAB) is None  # the whole vocabulary: the full head
+
+
+def test_the_store_respects_its_memory_bound():
+    store = SuffixStore(max_tokens=100, max_ngram=4)
+    rng = random.Random(0)
+    sequences = [[rng.randrange(1000) for _ in range(30)] for _ in range(50)]
+    for seq in sequences:
+        store.add(seq)
+        assert store.num_tokens <= 100
+        assert store.index_size <= (4 - 2 + 1) * 100
+    assert store.lookup(sequences[-1][:10], 5) == (sequences[-1][10:15], 4)  # the newest is remembered
+    assert store.lookup(sequences[0][:10], 5) == ([], 0)  # the oldest was dropped
+    store.add(list(range(500)))  # longer than the bound: its end is kept
+    assert store.num_tokens == 100 and len(store) == 1
+
+
+def test_the_store_drafts_across_calls_and_stays_exact():
+    model = tiny_llama(1)
+    ids = prompt(3, length=5)
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], acceptance_prior=0.9)
+    router.cost_model = FLAT
+    router.config = router.config.replace(active_exit_layers=[])  # the n-gram tier alone
+    first = router.generate(ids, max_new_tokens=24, mode="verify")
+    second = router.generate(ids, max_new_tokens=24, mode="verify")
+    assert torch.equal(first.sequences, ref) and torch.equal(second.sequences, ref)
+    assert second.stats.exit_histogram.get(-1, 0) > first.stats.exit_histogram.get(-1, 0)
+    assert second.stats.exit_histogram.get(-1, 0) >= 12  # the earlier answer is copied, and verified
+    other = EarlyExitRouter.from_model(tiny_llama(1), exit_layers=[1, 3], acceptance_prior=0.9)
+    other.cost_model = FLAT
+    assert other.ngram_store() is not router.ngram_store()  # never shared between routers
+    router.config = router.config.replace(ngram_store_tokens=0)
+    assert router.ngram_store() is None
