@@ -7,6 +7,8 @@
 * `Cache.crop` takes a negative count ("remove this many"); a positive count meant "keep this many" in 4.x and is
   refused in 5.x. We always crop per layer, by a negative count.
 * Decoder layers return a tensor in 5.x and a tuple in older releases.
+* Sliding-window cache layers keep recorded past states only until the next `crop`: `drop_last_positions` removes
+  padding without that trim (it reads the layer's `keys`, `values` and `cumulative_length`).
 * `generate()` keeps its cache under `cache` (model kwargs and output field) in 5.x, `past_key_values` before.
 """
 
@@ -74,6 +76,24 @@ def crop_cache_layer(cache: DynamicCache, layer_idx: int, keep: int) -> None:
     remove = cache.get_seq_length(layer_idx) - keep
     if remove > 0:
         cache.layers[layer_idx].crop(-remove)
+
+
+def drop_last_positions(cache: DynamicCache, layer_idx: int, count: int) -> None:
+    """Remove the last `count` positions of one layer, keeping every state a later rollback may need.
+
+    `crop` on a sliding-window layer past its window also trims the states it recorded for rollbacks (down to the
+    window), so a rollback after it would find them gone; throw-away padding positions are sliced off instead."""
+    if count <= 0:
+        return
+    layer = cache.layers[layer_idx]
+    if getattr(layer, "is_sliding", False) and layer.get_seq_length() >= layer.sliding_window:
+        if not getattr(layer, "record_past", False):
+            raise RuntimeError("Padding a sliding-window layer needs prepare_for_rollback() on its cache first.")
+        layer.keys = layer.keys[:, :, :-count, :]
+        layer.values = layer.values[:, :, :-count, :]
+        layer.cumulative_length -= count
+        return
+    crop_cache_layer(cache, layer_idx, cache.get_seq_length(layer_idx) - count)
 
 
 MASK_BUILDERS: dict[str, Callable[..., Any]] = {

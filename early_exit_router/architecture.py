@@ -164,12 +164,30 @@ class LayerStack:
             hidden = hidden + self.position_embed(positions).unsqueeze(0)
         return hidden
 
-    def run(self, hidden: torch.Tensor, start: int, stop: int, cache: Any, positions: torch.Tensor) -> torch.Tensor:
+    def run(
+        self, hidden: torch.Tensor, start: int, stop: int, cache: Any, positions: torch.Tensor, pad_to: int = 0
+    ) -> torch.Tensor:
         """Run layers `[start, stop)` over a chunk of consecutive positions.
 
         `hidden` is (1, q, hidden_size) for positions `positions` (1, q); every layer in the range must hold exactly
-        the positions before `positions[0, 0]` in `cache`, and gains these q positions.
+        the positions before `positions[0, 0]` in `cache`, and gains these q positions. `pad_to > q` runs the chunk
+        with throw-away positions appended (copies of the last one, where causal attention keeps them from touching
+        the real ones) and crops them from the cache again: faster where the device is slow at q rows.
+        Sliding-window layers must record their past (`_compat.prepare_for_rollback`) to be padded.
         """
+        q = hidden.shape[1]
+        if start >= stop or pad_to <= q:
+            return self._run(hidden, start, stop, cache, positions)
+        extra = pad_to - q
+        padded = torch.cat([hidden, hidden[:, -1:].expand(-1, extra, -1)], dim=1)  # (1, pad_to, hidden)
+        first = int(positions[0, 0])
+        padded_positions = torch.arange(first, first + pad_to, device=positions.device).unsqueeze(0)
+        out = self._run(padded, start, stop, cache, padded_positions)
+        for layer_idx in range(start, stop):
+            _compat.drop_last_positions(cache, layer_idx, extra)
+        return out[:, :q]
+
+    def _run(self, hidden: torch.Tensor, start: int, stop: int, cache: Any, positions: torch.Tensor) -> torch.Tensor:
         if start >= stop:
             return hidden
         masks: dict[str, Any] = {}
@@ -199,9 +217,14 @@ class LayerStack:
             return self.rotary_emb(hidden, positions, kind)
         return self.rotary_emb(hidden, positions)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head (+ soft-capping where configured): (1, q, hidden) -> (1, q, vocab)."""
-        return self.unembed(self.final_norm(hidden))
+    def logits(self, hidden: torch.Tensor, pad_to: int = 0) -> torch.Tensor:
+        """Final norm + LM head (+ soft-capping where configured): (1, q, hidden) -> (1, q, vocab).
+
+        `pad_to > q` computes that many rows (copies of the last) and returns the first q: see `run`."""
+        q = hidden.shape[1]
+        if pad_to > q:
+            hidden = torch.cat([hidden, hidden[:, -1:].expand(-1, pad_to - q, -1)], dim=1)  # (1, pad_to, hidden)
+        return self.unembed(self.final_norm(hidden))[:, :q]
 
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
         return self.softcap(self.lm_head(normed))

@@ -86,7 +86,8 @@ def build_arms(router: Any, cfg: BenchConfig) -> list[Arm]:
     """The arms for `router` under `cfg`, the control first."""
     arms = [Arm(CONTROL, "plain", family="control")]
     if cfg.engine_control:
-        arms.append(Arm(ENGINE_CONTROL, "router", "exit", {"active_exit_layers": []}, family="engine control"))
+        no_drafts = {"active_exit_layers": [], "ngram_tier": False}  # the decode loop alone: every token plain
+        arms.append(Arm(ENGINE_CONTROL, "router", "exit", no_drafts, family="engine control"))
     for mode in cfg.modes:
         if cfg.loaded_config:
             arms.append(Arm(f"router {mode} (loaded config)", "router", mode, family=f"router {mode}, loaded config"))

@@ -124,6 +124,7 @@ class Engine:
         self.full_layer = stack.num_layers - 1
         self.draft = heads.draft_head(stack, config.draft_vocab_size)
         self.store = store if config.ngram_tier else None
+        self.costs = costs  # when set, chunks and head rows are padded to the cheapest measured length
         self.policy: DraftPolicy | None = None
         if config.policy == "cost" and costs is not None:
             gates = [config.use_gate and heads.gate(e) is not None for e in self.exits]
@@ -179,7 +180,8 @@ class Engine:
             verifying=request.mode == "verify",
             tracker=AcceptanceTracker(prior=self.config.acceptance_prior),
         )
-        if request.mode == "verify" or (self.config.ngram_tier and not self.config.ngram_unverified):
+        may_crop = self.config.ngram_tier and not self.config.ngram_unverified
+        if request.mode == "verify" or may_crop or self.costs is not None:
             _compat.prepare_for_rollback(state.cache)
         positions = torch.arange(n, device=stack.device).unsqueeze(0)
         hidden = stack.run(stack.embed(input_ids), 0, stack.num_layers, state.cache, positions)
@@ -236,7 +238,9 @@ class Engine:
         if hidden is None:
             return None, chunk_start
         positions = torch.arange(chunk_start, end, device=self.stack.device).unsqueeze(0)
-        return self.stack.run(hidden, self.starts[i], self.starts[i + 1], state.cache, positions), chunk_start
+        pad_to = self.costs.layer_pad(hidden.shape[1]) if self.costs is not None else 0
+        out = self.stack.run(hidden, self.starts[i], self.starts[i + 1], state.cache, positions, pad_to)
+        return out, chunk_start
 
     def _planned_step(self, state: SequenceState, request: DecodeRequest, selector: TokenSelector) -> None:
         """Verify mode under the cost policy: one step of the current draft cycle (see `policy.py`).
@@ -448,8 +452,9 @@ class Engine:
         state.deep_len = chunk_start + m
         drafts = state.seq[0, chunk_start + 1 : chunk_start + 1 + n_drafts]  # (n_drafts,) exited tokens
         if state.verifying:
-            logits = self.stack.logits(hidden)[0]  # (m, vocab)
+            logits = self._head(hidden)[0]  # (m, vocab)
             return self._verify(state, logits, chunk_start, drafts, has_current, request, selector)
+        _compat.trim_sliding(state.cache)
         if not self.config.check_agreement:  # exited tokens are final and unchecked: only the new token's row
             drafts = drafts[:0]
             hidden = hidden[:, -1:] if has_current else hidden[:, :0]
@@ -458,7 +463,7 @@ class Engine:
                 state.draft_key.clear()
                 return False
 
-        logits = self.stack.logits(hidden)[0]  # (checked drafts + current, vocab)
+        logits = self._head(hidden)[0]  # (checked drafts + current, vocab)
         matches = (logits[: drafts.shape[0]].argmax(dim=-1) == drafts).long()
         if has_current:
             row = logits[-1:]
@@ -471,6 +476,11 @@ class Engine:
         state.draft_exit.clear()
         state.draft_key.clear()
         return False
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-layer logits of a deep chunk, its rows padded to the cheapest measured count."""
+        pad_to = self.costs.head_pad(hidden.shape[1]) if self.costs is not None else 0
+        return self.stack.logits(hidden, pad_to)
 
     def _verify(
         self,
@@ -665,6 +675,10 @@ class Engine:
             plain_share=state.plain_steps / new if new else 0.0,
             policy_cycles=dict(sorted(state.plan_counts.items())),
             probes=state.probes,
+            acceptance={
+                (f"exit L{self.exits[k[1]]}" if k[0] == "exit" else f"ngram match {k[1]}"): round(a, 4)
+                for k, a in sorted(state.tracker.estimates.items())
+            },
             mode=request.mode,
             num_layers=self.stack.num_layers,
         )

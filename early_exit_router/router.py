@@ -359,7 +359,7 @@ class EarlyExitRouter:
     def _run_engine(self, input_ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> tuple:
         """One decode with the current config: `Engine.generate`'s (sequences, stats, logits, cache, depths)."""
         config = self.config
-        costs = self.costs() if config.policy == "cost" and request.mode == "verify" else None
+        costs = self.costs() if config.policy == "cost" else None
         router = Router(config, self._stack.vocab_size)
         engine = Engine(self._stack, self.heads, router, config, costs, self.ngram_store())
         return engine.generate(input_ids, request, selector)

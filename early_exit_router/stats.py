@@ -36,6 +36,7 @@ class GenerationStats:
     plain_share: float = 0.0  # cost policy: share of new tokens decoded plainly (no draft, no head, no gate)
     policy_cycles: dict[str, int] = field(default_factory=dict)  # cost policy: draft cycles per plan kind
     probes: int = 0  # cost policy: plain steps that scored the exits' draft heads (shadow tokens)
+    acceptance: dict[str, float] = field(default_factory=dict)  # cost policy: final per-position acceptance estimates
     mode: str = "exit"
     num_layers: int = 0
 
@@ -71,7 +72,8 @@ class GenerationStats:
             + (
                 [
                     f"cost policy: cycles {', '.join(f'{k} {v}' for k, v in self.policy_cycles.items())}; "
-                    f"plain share {self.plain_share:.2f}; {self.probes} probes"
+                    f"plain share {self.plain_share:.2f}; {self.probes} probes",
+                    "acceptance estimates: " + ", ".join(f"{k} {v:.2f}" for k, v in self.acceptance.items()),
                 ]
                 if self.policy_cycles
                 else []

@@ -201,3 +201,34 @@ def test_the_store_drafts_across_calls_and_stays_exact():
     assert other.ngram_store() is not router.ngram_store()  # never shared between routers
     router.config = router.config.replace(ngram_store_tokens=0)
     assert router.ngram_store() is None
+
+
+# A device that is slow at 2-4 positions and at 2-7 head rows, as this project's 2-core CPU measured.
+QUIRKY = CostModel.synthetic(
+    6, layer_ms=[1.0, 3.0, 3.0, 3.0, 1.2, 1.4, 1.6, 1.5], head_ms=[1.0, 3.0, 3.0, 3.0, 2.5, 2.6, 2.7, 1.5]
+)
+
+
+def test_padding_picks_the_cheapest_measured_length_at_or_above_the_chunk():
+    assert [QUIRKY.layer_pad(m) for m in range(1, 10)] == [1, 5, 5, 5, 5, 6, 8, 8, 9]
+    assert [QUIRKY.head_pad(m) for m in range(1, 9)] == [1, 8, 8, 8, 8, 8, 8, 8]
+    assert QUIRKY.layers(6, 3) == pytest.approx(6 * 1.2) and QUIRKY.head(2) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-sliding", "qwen2-sliding", "gemma3_text"])
+@pytest.mark.parametrize("mode", ["exit", "verify"])
+def test_padded_chunks_keep_verify_exact_and_the_cache_equal_to_a_full_pass(family, mode):
+    from .test_architectures import build
+
+    model = tiny_llama(0) if family == "llama" else build(family)
+    ids = prompt(2, length=6)
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    router = EarlyExitRouter.from_model(
+        model, exit_layers=[1, 3], acceptance_prior=0.9, high_conf_threshold=0.06, low_conf_threshold=0.0
+    )
+    router.cost_model = QUIRKY  # every deep chunk of 2-4 positions runs padded to 5, its head rows to 8
+    out = router.generate(ids, max_new_tokens=24, mode=mode)
+    assert out.stats.mean_fill_chunk > 1  # chunks of several positions ran (and were padded)
+    if mode == "verify":
+        assert torch.equal(out.sequences, ref)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
