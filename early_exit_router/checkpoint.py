@@ -23,6 +23,8 @@ FORMAT_VERSION = 1
 CONFIG_NAME = "early_exit_config.json"
 WEIGHTS_NAME = "early_exit_heads.safetensors"
 FINGERPRINT_CHUNKS = 32
+# Files a router folder may hold beside the two above (reports written by train-heads and calibrate, a README).
+KNOWN_EXTRA_FILES = {"calibration_report.json", "training_report.json", "README.md"}
 
 
 class BaseModelMismatchError(ValueError):
@@ -120,23 +122,49 @@ class SavedRouter:
 
 
 def load_router(path: str | Path) -> SavedRouter:
-    """Read a saved router folder; clear errors for missing files and unknown format versions."""
+    """Read a saved router folder, with a clear error for every way it can be broken.
+
+    Missing files, unreadable JSON, a format version from another release, unexpected files (a pickle beside the
+    heads is refused, never opened), a truncated or garbled safetensors file, and tensors that are not floating
+    point all raise before any model is touched. Weights are read with safetensors only: nothing is unpickled.
+    """
     path = Path(path)
     config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
     for f in (config_file, weights_file):
         if not f.is_file():
             raise FileNotFoundError(f"{f} is missing: a saved router folder holds {CONFIG_NAME} and {WEIGHTS_NAME}.")
-    meta: dict[str, Any] = json.loads(config_file.read_text())
-    version = meta.get("format_version")
+    unexpected = sorted(p.name for p in path.iterdir() if p.name not in {CONFIG_NAME, WEIGHTS_NAME, *KNOWN_EXTRA_FILES})
+    if unexpected:
+        raise ValueError(
+            f"{path} holds unexpected files {unexpected}: a saved router folder holds only {CONFIG_NAME}, "
+            f"{WEIGHTS_NAME} and the reports {sorted(KNOWN_EXTRA_FILES)}. Move the other files elsewhere "
+            "(nothing else is ever loaded from it, and pickles are never opened)."
+        )
+    try:
+        meta: dict[str, Any] = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{config_file} is not valid JSON ({exc}): re-save the router with save_pretrained.") from None
+    version = meta.get("format_version") if isinstance(meta, dict) else None
     if version != FORMAT_VERSION:
         raise ValueError(
             f"{config_file} has format_version {version!r}; this early-exit-router reads version {FORMAT_VERSION}. "
             "Upgrade the package (or re-save the router with this version)."
         )
-    return SavedRouter(
-        config=RouterConfig.from_dict(meta["router_config"]),
-        identity=BaseModelIdentity(**meta["base_model"]),
-        exit_layers=list(meta["heads"]["exit_layers"]),
-        has_gates=bool(meta["heads"]["gates"]),
-        tensors=load_file(str(weights_file)),
-    )
+    try:
+        config = RouterConfig.from_dict(meta["router_config"])
+        identity = BaseModelIdentity(**meta["base_model"])
+        exit_layers = [int(e) for e in meta["heads"]["exit_layers"]]
+        has_gates = bool(meta["heads"]["gates"])
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{config_file} lacks or garbles a required entry ({exc!r}): re-save the router.") from None
+    try:
+        tensors = load_file(str(weights_file))
+    except Exception as exc:  # safetensors raises its own error types for truncated and garbled files
+        raise ValueError(
+            f"{weights_file} could not be read as safetensors ({type(exc).__name__}: {exc}); the file is truncated "
+            "or corrupt: copy it again or re-save the router."
+        ) from None
+    bad = sorted(k for k, v in tensors.items() if not v.is_floating_point())
+    if bad:
+        raise ValueError(f"{weights_file} holds non-float tensors {bad}: exit heads are floating-point weights.")
+    return SavedRouter(config, identity, exit_layers, has_gates, tensors)

@@ -155,6 +155,7 @@ class Engine:
         self._stream(state, request, len(state.tokens))
         if request.streamer is not None:
             request.streamer.end()
+        _compat.trim_sliding(state.cache)  # no rollback can follow: sliding layers keep only their window
         if self.store is not None:
             self.store.add(state.tokens)
         wall = time.perf_counter() - start
@@ -185,7 +186,7 @@ class Engine:
             _compat.prepare_for_rollback(state.cache)
         positions = torch.arange(n, device=stack.device).unsqueeze(0)
         hidden = stack.run(stack.embed(input_ids), 0, stack.num_layers, state.cache, positions)
-        logits = stack.logits(hidden[:, -1:])[:, -1]  # (1, vocab): only the last position's prediction is needed
+        logits = self._head(hidden[:, -1:])[:, -1]  # (1, vocab): only the last position's prediction is needed
         state.deep_len = n
         if request.streamer is not None:
             request.streamer.put(input_ids[0].cpu())
@@ -223,13 +224,22 @@ class Engine:
         self._finish_deep(state, hidden, chunk_start, True, request, selector)
 
     def _fill_segment(
-        self, state: SequenceState, i: int, hidden: torch.Tensor | None, chunk_start: int, end: int
+        self,
+        state: SequenceState,
+        i: int,
+        hidden: torch.Tensor | None,
+        chunk_start: int,
+        end: int,
+        last: int | None = None,
     ) -> tuple[torch.Tensor | None, int]:
-        """Run segment `i` over the chunk, after the positions waiting in front of it: the layer-wise KV fill.
+        """Run segment `i` (through segment `last`, when given) over the chunk, after the positions waiting in front
+        of it: the layer-wise KV fill.
 
         `hidden` covers positions chunk_start..end-1 (or is None when nothing arrives from below); the waiting
-        positions come just before them. Returns the segment's output and the chunk's new first position.
+        positions come just before them. Segments after `i` must have nothing waiting. Returns the output of the
+        last segment run and the chunk's new first position.
         """
+        last = i if last is None else last
         waiting = state.buffers[i]
         if waiting is not None:
             chunk_start -= waiting.shape[1]
@@ -239,7 +249,7 @@ class Engine:
             return None, chunk_start
         positions = torch.arange(chunk_start, end, device=self.stack.device).unsqueeze(0)
         pad_to = self.costs.layer_pad(hidden.shape[1]) if self.costs is not None else 0
-        out = self.stack.run(hidden, self.starts[i], self.starts[i + 1], state.cache, positions, pad_to)
+        out = self.stack.run(hidden, self.starts[i], self.starts[last + 1], state.cache, positions, pad_to)
         return out, chunk_start
 
     def _planned_step(self, state: SequenceState, request: DecodeRequest, selector: TokenSelector) -> None:
@@ -260,20 +270,29 @@ class Engine:
             return
         probe_every = self.config.probe_interval
         probe = plan.kind == "plain" and probe_every > 0 and state.plain_steps % probe_every == 0
+        drafting = plan.kind == "exit" and state.cycle_drafts < plan.max_draft
+        # The exits this step must stop at; between them, segments with nothing waiting run as one layer range
+        # (one mask and rotary table instead of one per segment).
+        stops = set(range(len(self.exits))) if probe else ({plan.tier} if drafting else set())
         shadows: list[tuple[int, torch.Tensor]] = []
         hidden: torch.Tensor | None = self.stack.embed(state.seq[:, q : q + 1], q)  # (1, 1, hidden)
         chunk_start = q
-        for i in range(len(self.exits) + 1):
-            hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, q + 1)
-            if i == len(self.exits):
+        i = 0
+        while i <= len(self.exits):
+            last = i
+            while last < len(self.exits) and last not in stops and state.buffers[last + 1] is None:
+                last += 1
+            hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, q + 1, last)
+            i = last + 1
+            if last == len(self.exits):
                 break
-            if plan.kind == "exit" and i == plan.tier and state.cycle_drafts < plan.max_draft:
-                if self._try_exit(state, i, self.exits[i], hidden, q, None, request, selector):
+            if drafting and last == plan.tier:
+                if self._try_exit(state, last, self.exits[last], hidden, q, None, request, selector):
                     state.cycle_drafts += 1
                     return
                 state.tracker.observe(plan.key, False)  # the chain stopped: this position yielded no draft
             elif probe:
-                shadows.append((i, hidden[:, -1]))
+                shadows.append((last, hidden[:, -1]))
         if plan.kind == "plain":
             state.plain_steps += 1
         state.plan, state.cycle_drafts = None, 0
@@ -478,9 +497,17 @@ class Engine:
         return False
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-layer logits of a deep chunk, its rows padded to the cheapest measured count."""
+        """Final-layer logits of a deep chunk, its rows padded to the cheapest measured count.
+
+        Non-finite logits (an fp16 overflow, typically) would otherwise be argmaxed into garbage silently."""
         pad_to = self.costs.head_pad(hidden.shape[1]) if self.costs is not None else 0
-        return self.stack.logits(hidden, pad_to)
+        logits = self.stack.logits(hidden, pad_to)
+        if not bool(torch.isfinite(logits).all()):
+            raise FloatingPointError(
+                f"The model produced NaN or infinite logits ({self.stack.dtype}); in float16 this is usually an "
+                "overflow in the hidden states: load the model in bfloat16 or float32."
+            )
+        return logits
 
     def _verify(
         self,

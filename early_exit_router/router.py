@@ -61,6 +61,11 @@ class EarlyExitRouter:
         name_or_path: str,
     ) -> None:
         # Use from_model / from_pretrained: they validate and patch.
+        if tokenizer is not None and len(tokenizer) > stack.vocab_size:
+            raise ValueError(
+                f"The tokenizer has {len(tokenizer)} tokens but the model's LM head only {stack.vocab_size}: they do "
+                "not belong together. Pass the tokenizer that was saved with this model."
+            )
         self._model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -168,6 +173,17 @@ class EarlyExitRouter:
         heads = ExitHeads(saved.exit_layers, stack.hidden_size, config.adapter, config.adapter_rank)
         if saved.has_gates:
             heads.add_gates(stack.hidden_size)
+        expected = heads.state_dict()
+        wrong = {
+            k: (tuple(v.shape), tuple(expected[k].shape))
+            for k, v in saved.tensors.items()
+            if k in expected and v.shape != expected[k].shape
+        }
+        if wrong:
+            raise ValueError(
+                f"Saved head tensors have the wrong shapes (saved, expected): {wrong}. The heads file does not belong "
+                "to this config or base model: re-save or retrain the heads."
+            )
         missing, unexpected = heads.load_state_dict(saved.tensors, strict=False)
         if missing or unexpected:
             raise ValueError(f"Saved heads do not fit their config: missing {missing}, unexpected {unexpected}.")
@@ -318,6 +334,13 @@ class EarlyExitRouter:
         input_ids = self._check_input_ids(input_ids, attention_mask)
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+        context = getattr(self._model.config, "max_position_embeddings", None)
+        if context and input_ids.shape[1] + max_new_tokens > context:
+            raise ValueError(
+                f"The prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
+                f"context of {context} positions (config.max_position_embeddings): shorten the prompt or lower "
+                "max_new_tokens."
+            )
         params = SamplingParams(do_sample, temperature, top_k, top_p, seed)
         stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings or ())
         if stop_strings and self.tokenizer is None:

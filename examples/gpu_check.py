@@ -4,8 +4,10 @@
 
 Checks, per dtype: never-exit output identical to `model.generate`; verify mode identical to greedy; every
 layer's cache equal to a full forward pass after mixed exits; host-device syncs in the decode loop counted with
-`torch.cuda.set_sync_debug_mode("warn")` against routing decisions and emitted tokens. Then it times plain HF
-generate against exit and verify mode on SmolLM2. Exit code 0 when every check passes.
+`torch.cuda.set_sync_debug_mode("warn")` against routing decisions and emitted tokens. Then, on SmolLM2, it measures
+the cost model on the GPU (`early-exit-router profile` prints the same table), and times plain HF generate against
+the default config (verify mode under the cost policy), the fixed cascade and exit mode, printing which plans the
+policy chose. Exit code 0 when every check passes.
 """
 
 from __future__ import annotations
@@ -71,7 +73,13 @@ def contract(label: str, model, ids: torch.Tensor, exit_layers: list[int], mixed
 
 
 def timing(router: EarlyExitRouter) -> None:
+    print(router.costs(refresh=True).markdown())  # measured on this GPU, in this dtype
     ids = router.encode("List the seven days of the week as a numbered list, one per line.", chat=True)
+    arms_config = {
+        "verify, default config (cost policy)": ("verify", {}),
+        "verify, fixed cascade, no n-gram": ("verify", {"policy": "fixed", "ngram_tier": False}),
+        "exit, loaded config": ("exit", {}),
+    }
     for _ in range(2):  # warm-up
         router.generate(ids, max_new_tokens=8)
     arms = {}
@@ -81,16 +89,26 @@ def timing(router: EarlyExitRouter) -> None:
         plain = router.generate(ids, max_new_tokens=64)
         torch.cuda.synchronize()
         arms["plain"] = (plain.stats.new_tokens / (time.perf_counter() - t), plain)
-    for mode in ("exit", "verify"):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = router.generate(ids, max_new_tokens=64, mode=mode)
-        torch.cuda.synchronize()
-        arms[mode] = (out.stats.new_tokens / (time.perf_counter() - t), out)
+    configured = router.config
+    for name, (mode, overrides) in arms_config.items():
+        router.config = configured.replace(**overrides)
+        try:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = router.generate(ids, max_new_tokens=64, mode=mode)
+            torch.cuda.synchronize()
+        finally:
+            router.config = configured
+        arms[name] = (out.stats.new_tokens / (time.perf_counter() - t), out)
     base = arms["plain"][0]
     for name, (tps, out) in arms.items():
-        print(f"  {name}: {tps:.1f} tok/s ({tps / base:.2f}x plain), hit rate {out.stats.hit_rate:.2f}")
-    check("smollm2 verify == plain", torch.equal(arms["verify"][1].sequences, arms["plain"][1].sequences))
+        print(
+            f"  {name}: {tps:.1f} tok/s ({tps / base:.2f}x plain), hit rate {out.stats.hit_rate:.2f}, "
+            f"cycles {out.stats.policy_cycles}"
+        )
+    for name, (_, out) in arms.items():
+        if name.startswith("verify"):
+            check(f"smollm2 {name} == plain", torch.equal(out.sequences, arms["plain"][1].sequences))
 
 
 def main() -> int:

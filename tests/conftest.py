@@ -84,7 +84,7 @@ def model_fingerprint(model) -> dict:
         "keys": list(model.state_dict().keys()),
         "values": {k: v.clone() for k, v in model.state_dict().items()},
         "modules": [n for n, _ in model.named_modules()],
-        "attrs": sorted(model.__dict__.keys()),
+        "attrs": {k: v for k, v in model.__dict__.items() if k != "_modules"},  # values by identity
     }
 
 
@@ -92,7 +92,9 @@ def assert_same_model(before: dict, after: dict) -> None:
     assert before["params"] == after["params"]
     assert before["keys"] == after["keys"]
     assert before["modules"] == after["modules"]
-    assert before["attrs"] == after["attrs"]
+    assert sorted(before["attrs"]) == sorted(after["attrs"])
+    for k, v in before["attrs"].items():
+        assert after["attrs"][k] is v or after["attrs"][k] == v, f"model.{k} changed"
     for k, v in before["values"].items():
         assert torch.equal(v, after["values"][k]), k
 
@@ -110,3 +112,18 @@ def tiny_tokenizer():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<bos>")
     tokenizer.chat_template = "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}w4"
     return tokenizer
+
+
+def tiny_costs() -> dict:
+    """Synthetic cost tables for the 6-layer tiny models, so that tests of the cost policy do not depend on timing:
+    'flat' (a bandwidth-bound GPU: drafting pays), 'steep' (every extra position costs nearly as much as the first:
+    drafting rarely pays) and 'quirky' (slow at 2-4 positions and 2-7 head rows, as this project's CPU measured)."""
+    from early_exit_router.costs import CostModel
+
+    return {
+        "flat": CostModel.synthetic(6, [1.0] * 16, [6.0] * 16, draft_head_ms=0.1),
+        "steep": CostModel.synthetic(6, [0.9 * m + 0.1 for m in range(1, 17)], [5.0 * m for m in range(1, 17)]),
+        "quirky": CostModel.synthetic(
+            6, [1.0, 3.0, 3.0, 3.0, 1.2, 1.4, 1.6, 1.5], [1.0, 3.0, 3.0, 3.0, 2.5, 2.6, 2.7, 1.5]
+        ),
+    }

