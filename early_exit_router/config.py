@@ -149,6 +149,13 @@ class RouterConfig:
             "report agreement. Costs one LM-head row per exited token; False computes only the last row."
         },
     )
+    check_fraction: float = field(
+        default=1.0,
+        metadata={
+            "help": "In exit mode, the share of exited tokens the deep pass checks against the full model (one "
+            "LM-head row each, spread evenly); agreement and the monitor count those. 1 checks every one (in [0, 1])."
+        },
+    )
     ngram_tier: bool = field(
         default=True,
         metadata={
@@ -228,6 +235,7 @@ class RouterConfig:
             "window_min_confidence",
             "monitor_min_agreement",
             "acceptance_prior",
+            "check_fraction",
         ):
             _check_unit_interval(name, getattr(self, name))
         if self.controller_target is not None:

@@ -90,6 +90,7 @@ class SequenceState:
     shadow_ngram: tuple[TierKey, int] | None = None  # an unused n-gram proposal's key and first token
     plain_steps: int = 0
     probes: int = 0
+    exited_seen: int = 0  # exit mode: exited tokens the deep layers have seen (checked or not)
     plan_counts: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -474,27 +475,36 @@ class Engine:
             logits = self._head(hidden)[0]  # (m, vocab)
             return self._verify(state, logits, chunk_start, drafts, has_current, request, selector)
         _compat.trim_sliding(state.cache)
-        if not self.config.check_agreement:  # exited tokens are final and unchecked: only the new token's row
-            drafts = drafts[:0]
-            hidden = hidden[:, -1:] if has_current else hidden[:, :0]
-            if hidden.shape[1] == 0:
-                state.draft_exit.clear()
-                state.draft_key.clear()
-                return False
-
-        logits = self._head(hidden)[0]  # (checked drafts + current, vocab)
-        matches = (logits[: drafts.shape[0]].argmax(dim=-1) == drafts).long()
-        if has_current:
-            row = logits[-1:]
-            token = selector.choose(state.seq[:, : chunk_start + m], row)
-            *matched, token_id = torch.cat([matches, token.reshape(1)]).tolist()  # one host sync
-            self._count_agreement(state, chunk_start, matched)
-            self._append(state, token, token_id, self.full_layer, row, request)
-        else:
-            self._count_agreement(state, chunk_start, matches.tolist())
+        # Exited tokens are final here; the deep pass checks a sample of them (monitoring), one head row each.
+        checked = self._sample_checks(state, n_drafts)  # offsets into the chunk's drafts
+        rows = checked + ([m - 1] if has_current else [])
+        if rows:
+            index = torch.tensor(rows, device=hidden.device)
+            logits = self._head(hidden.index_select(1, index))[0]  # (checked drafts + current, vocab)
+            matches = (logits[: len(checked)].argmax(dim=-1) == drafts[checked]).long()
+            if has_current:
+                row = logits[-1:]
+                token = selector.choose(state.seq[:, : chunk_start + m], row)
+                *matched, token_id = torch.cat([matches, token.reshape(1)]).tolist()  # one host sync
+                self._count_agreement(state, chunk_start, matched, checked)
+                self._append(state, token, token_id, self.full_layer, row, request)
+            else:
+                self._count_agreement(state, chunk_start, matches.tolist(), checked)
         state.draft_exit.clear()
         state.draft_key.clear()
         return False
+
+    def _sample_checks(self, state: SequenceState, n_drafts: int) -> list[int]:
+        """Which of a chunk's exited tokens exit mode checks: every one at `check_fraction` 1, none at 0, else an
+        evenly spread share (deterministic, so runs repeat)."""
+        fraction = self.config.check_fraction if self.config.check_agreement else 0.0
+        picked = []
+        for offset in range(n_drafts):
+            before = int(state.exited_seen * fraction)
+            state.exited_seen += 1
+            if int(state.exited_seen * fraction) > before:
+                picked.append(offset)
+        return picked
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-layer logits of a deep chunk, its rows padded to the cheapest measured count.
@@ -591,9 +601,12 @@ class Engine:
         state.deep_len = keep
         state.buffers = [None] * (len(self.exits) + 1)
 
-    def _count_agreement(self, state: SequenceState, first_pos: int, matches: list[bool]) -> None:
-        """Book the deep pass's verdict on exited tokens: per-exit counts and the rolling monitor."""
-        for offset, ok in enumerate(matches):
+    def _count_agreement(
+        self, state: SequenceState, first_pos: int, matches: list[bool], offsets: list[int] | None = None
+    ) -> None:
+        """Book the deep pass's verdict on exited tokens (at `offsets` from `first_pos`, default 0, 1, ...):
+        per-exit counts, acceptance estimates and the rolling monitor."""
+        for offset, ok in zip(offsets if offsets is not None else range(len(matches)), matches):
             i = state.draft_exit[first_pos + offset]
             state.tracker.observe(state.draft_key.get(first_pos + offset, ("exit", i)), bool(ok))
             state.checked_by_exit[i] += 1

@@ -53,6 +53,8 @@ def test_bench_runs_every_arm_and_writes_json_and_png(tmp_path):
             assert row["teacher_forced_agreement"] == 1.0
     exit_row = by_arm[("all", "router exit @0.05")]
     assert exit_row["hit_rate"] > 0 and sum(exit_row["exit_histogram"].values()) == exit_row["tokens"]
+    full_depth = exit_row["exit_histogram"].get(5, 0)  # the histogram, not the engine's hit-rate formula
+    assert exit_row["hit_rate"] == pytest.approx(1 - full_depth / exit_row["tokens"])
     assert 0 <= exit_row["teacher_forced_agreement"] <= 1
     assert exit_row["ttft_ms"] is not None and exit_row["itl_p50_ms"] is not None
     assert router.config.high_conf_threshold == 0.07  # the sweep restored the router's own config

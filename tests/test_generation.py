@@ -297,6 +297,20 @@ def test_agreement_check_can_be_skipped_without_changing_tokens():
     assert_cache_matches_full_forward(model, unchecked.sequences, unchecked.cache)
 
 
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_exit_mode_checks_a_sample_of_exited_tokens(fraction):
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], max_pending=4, **MIXED)
+    full = router.generate(prompt(0), max_new_tokens=40)
+    router.config = router.config.replace(check_fraction=fraction)
+    sampled = router.generate(prompt(0), max_new_tokens=40)
+    exited = sum(d != 5 for d in sampled.depths)
+    assert torch.equal(full.sequences, sampled.sequences)  # checking never changes what is emitted
+    assert full.stats.exited_checked == exited > 8
+    assert sampled.stats.exited_checked == int(exited * fraction)  # evenly spread, deterministic
+    assert_cache_matches_full_forward(model, sampled.sequences, sampled.cache)
+
+
 def test_a_config_for_other_exit_layers_is_refused_at_generate():
     from early_exit_router import RouterConfig
 
