@@ -30,7 +30,7 @@ from .architecture import LayerStack
 from .config import RouterConfig
 from .costs import CostModel
 from .heads import ExitHeads, draft_logits
-from .ngram import SuffixStore, ngram_lookup, ngram_match  # noqa: F401  (ngram_lookup: public here since 0.1)
+from .ngram import SuffixStore, ngram_match
 from .policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
 from .routing import FULL_DEPTH, Router, RoutingState
 from .sampling import TokenSelector
@@ -312,7 +312,7 @@ class Engine:
         proposal, match_len = self._ngram_proposal(state, min(cfg.ngram_draft, budget)) if budget > 0 else ([], 0)
         assert self.policy is not None
         plan = self.policy.plan(state.tracker, budget, proposal, match_len)
-        if proposal and plan.kind != "ngram":  # score the unused proposal against the token the step will choose
+        if proposal and plan.kind == "plain":  # score the unused proposal against the token the step will choose
             state.shadow_ngram = (("ngram", match_len), proposal[0])
         return plan
 

@@ -176,21 +176,18 @@ class ExitHeads(nn.Module):
         return self.gates[key] if key in self.gates else None
 
     def draft_head(self, stack: Any, size: int) -> DraftHead | None:
-        """The trimmed draft head over the `size` highest-ranked token ids (None when `size` covers the vocabulary).
+        """The trimmed draft head over the first `size` token ids (None when `size` covers the vocabulary).
 
-        The ranking is `draft_ranking` when the checkpoint has one (token ids, most frequent first), else id order,
-        which follows BPE merge order and so frequency, roughly. Built once per size, device and dtype."""
-        vocab = stack.vocab_size
-        if size <= 0 or size >= vocab:
+        Id order follows BPE merge order, and so frequency, roughly. Built once per size, device, dtype and head
+        weight, and kept outside the module tree (a plain attribute), so that it never enters a state_dict."""
+        if size <= 0 or size >= stack.vocab_size:
             return None
         weight = stack.lm_head.weight
         key = (size, weight.device, weight.dtype, weight.data_ptr())
         cached = self.__dict__.setdefault("_draft_heads", {})
         if key not in cached:
-            ranking = getattr(self, "draft_ranking", None)
-            ids = ranking[:size] if ranking is not None else torch.arange(size)
             cached.clear()  # one size at a time: a stale slice is memory for nothing
-            cached[key] = DraftHead(stack.lm_head, torch.sort(ids.long()).values)
+            cached[key] = DraftHead(stack.lm_head, torch.arange(size))
         return cached[key]
 
     def add_gates(self, hidden_size: int) -> None:
