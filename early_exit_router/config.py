@@ -167,6 +167,14 @@ class RouterConfig:
     ngram_size: int = field(
         default=4, metadata={"help": "Longest suffix the n-gram tier matches (it tries down to 2 tokens)."}
     )
+    ngram_min_size: int = field(
+        default=2,
+        metadata={
+            "help": "Shortest suffix the n-gram tier matches. 1 also copies after a single repeated token: far more "
+            "proposals, far less reliable ones; the cost policy tracks acceptance per match length and drafts from "
+            "a length only where it pays."
+        },
+    )
     ngram_draft: int = field(default=8, metadata={"help": "Most tokens the n-gram tier proposes at once."})
     ngram_unverified: bool = field(
         default=False,
@@ -258,6 +266,7 @@ class RouterConfig:
             ("adapter_rank", 1),
             ("monitor_window", 1),
             ("ngram_size", 2),
+            ("ngram_min_size", 1),
             ("ngram_draft", 1),
             ("draft_vocab_size", 0),
             ("probe_interval", 0),
@@ -266,6 +275,10 @@ class RouterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+        if self.ngram_min_size > self.ngram_size:
+            raise ValueError(
+                f"ngram_min_size ({self.ngram_min_size}) is above ngram_size ({self.ngram_size}): set min <= size."
+            )
         if self.adapter not in ADAPTER_KINDS:
             raise ValueError(f"Unknown adapter {self.adapter!r}: use one of {', '.join(ADAPTER_KINDS)}.")
 

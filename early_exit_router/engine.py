@@ -338,7 +338,7 @@ class Engine:
         a tie, the longer proposal; then the context)."""
         if budget <= 0:
             return [], 0
-        found = ngram_match(state.tokens, self.config.ngram_size, budget)
+        found = ngram_match(state.tokens, self.config.ngram_size, budget, self.config.ngram_min_size)
         if self.store is not None:
             stored = self.store.lookup(state.tokens, budget)
             if (stored[1], len(stored[0])) > (found[1], len(found[0])):

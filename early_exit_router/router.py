@@ -406,8 +406,9 @@ class EarlyExitRouter:
         if not cfg.ngram_tier or cfg.ngram_store_tokens <= 0:
             return None
         store = self._ngram_store
-        if store is None or (store.max_tokens, store.max_ngram) != (cfg.ngram_store_tokens, cfg.ngram_size):
-            store = self._ngram_store = SuffixStore(cfg.ngram_store_tokens, cfg.ngram_size)
+        shape = (cfg.ngram_store_tokens, cfg.ngram_size, cfg.ngram_min_size)
+        if store is None or (store.max_tokens, store.max_ngram, store.min_ngram) != shape:
+            store = self._ngram_store = SuffixStore(*shape)
         return store
 
     def _check_input_ids(self, input_ids: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:

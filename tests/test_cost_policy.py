@@ -171,6 +171,17 @@ def test_the_draft_head_covers_only_its_token_set():
     assert router.heads.draft_head(router._stack, VOCAB) is None  # the whole vocabulary: the full head
 
 
+def test_single_token_matches_are_opt_in_and_reported_with_their_length():
+    from early_exit_router import RouterConfig
+    from early_exit_router.ngram import ngram_match
+
+    assert ngram_match([5, 9, 3, 5], 4, 2) == ([], 0)  # no repeated pair
+    assert ngram_match([5, 9, 3, 5], 4, 2, min_ngram=1) == ([9, 3], 1)
+    assert ngram_match([1, 2, 7, 1, 2], 4, 3, min_ngram=1) == ([7, 1, 2], 2)  # the longest match wins
+    with pytest.raises(ValueError, match="ngram_min_size"):
+        RouterConfig(ngram_size=3, ngram_min_size=4)
+
+
 def test_the_store_respects_its_memory_bound():
     store = SuffixStore(max_tokens=100, max_ngram=4)
     rng = random.Random(0)
