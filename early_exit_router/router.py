@@ -17,7 +17,7 @@ from . import __version__, _compat
 from .architecture import LayerStack, spec_for
 from .checkpoint import BaseModelIdentity, head_fingerprint, head_hash, is_router_dir, load_router, save_router
 from .config import MODES, RouterConfig
-from .costs import CostModel, cost_model_for
+from .costs import CostModel, cost_key, cost_model_for
 from .engine import DecodeRequest, Engine
 from .heads import ExitHeads
 from .hf_generate import RoutedGenerate
@@ -78,6 +78,7 @@ class EarlyExitRouter:
         # The cost policy's table: measured on first use (cached on disk per model shape and device); assign a
         # CostModel here to decide from another table (e.g. CostModel.synthetic for a what-if).
         self.cost_model: CostModel | None = None
+        self._measured: CostModel | None = None
         self._ngram_store: SuffixStore | None = None
 
     # -------------------------------------------------------------------------------------------- construction
@@ -395,10 +396,12 @@ class EarlyExitRouter:
         if self.cost_model is not None and not refresh:
             return self.cost_model
         max_chunk = max(16, self.config.max_pending + 1)
-        measured = cost_model_for(self._stack, self.heads, self.config.draft_vocab_size, max_chunk, refresh=refresh)
-        if refresh:
-            self.cost_model = measured
-        return measured
+        key = cost_key(self._stack, self.config.draft_vocab_size, max_chunk)
+        if refresh or self._measured is None or self._measured.key != key:  # in memory: no disk read per call
+            self._measured = cost_model_for(
+                self._stack, self.heads, self.config.draft_vocab_size, max_chunk, refresh=refresh
+            )
+        return self._measured
 
     def ngram_store(self) -> SuffixStore | None:
         """This router's store of earlier sequences for the n-gram tier (None when `ngram_store_tokens` is 0)."""
