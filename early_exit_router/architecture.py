@@ -178,13 +178,11 @@ class LayerStack:
         q = hidden.shape[1]
         if start >= stop or pad_to <= q:
             return self._run(hidden, start, stop, cache, positions)
-        extra = pad_to - q
-        padded = torch.cat([hidden, hidden[:, -1:].expand(-1, extra, -1)], dim=1)  # (1, pad_to, hidden)
         first = int(positions[0, 0])
         padded_positions = torch.arange(first, first + pad_to, device=positions.device).unsqueeze(0)
-        out = self._run(padded, start, stop, cache, padded_positions)
+        out = self._run(_pad_rows(hidden, pad_to), start, stop, cache, padded_positions)
         for layer_idx in range(start, stop):
-            _compat.drop_last_positions(cache, layer_idx, extra)
+            _compat.drop_last_positions(cache, layer_idx, pad_to - q)
         return out[:, :q]
 
     def _run(self, hidden: torch.Tensor, start: int, stop: int, cache: Any, positions: torch.Tensor) -> torch.Tensor:
@@ -222,9 +220,7 @@ class LayerStack:
 
         `pad_to > q` computes that many rows (copies of the last) and returns the first q: see `run`."""
         q = hidden.shape[1]
-        if pad_to > q:
-            hidden = torch.cat([hidden, hidden[:, -1:].expand(-1, pad_to - q, -1)], dim=1)  # (1, pad_to, hidden)
-        return self.unembed(self.final_norm(hidden))[:, :q]
+        return self.unembed(self.final_norm(_pad_rows(hidden, pad_to)))[:, :q]
 
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
         return self.softcap(self.lm_head(normed))
@@ -240,3 +236,9 @@ class LayerStack:
         tensors = {f"lm_head.{k}": v for k, v in self.lm_head.state_dict().items()}
         tensors.update({f"final_norm.{k}": v for k, v in self.final_norm.state_dict().items()})
         return tensors
+
+
+def _pad_rows(hidden: torch.Tensor, length: int) -> torch.Tensor:
+    """(1, q, hidden) -> (1, max(q, length), hidden): throw-away copies of the last position appended."""
+    extra = length - hidden.shape[1]
+    return hidden if extra <= 0 else torch.cat([hidden, hidden[:, -1:].expand(-1, extra, -1)], dim=1)

@@ -434,8 +434,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(router.describe())
     print(costs.markdown())
     exits = router.config.consulted_exit_layers()
-    gates = [router.config.use_gate and router.heads.gate(e) is not None for e in exits]
-    policy = DraftPolicy(costs, exits, gates)
+    policy = DraftPolicy.for_config(costs, router.config, router.heads)
     budget = router.config.max_pending
     print(f"\nWhat the cost policy chooses for a cycle of up to {budget} drafts (expected tokens per plain step):\n")
     print("| acceptance | n-gram tier (proposal of 8) | " + " | ".join(f"exit L{e}" for e in exits) + " |")

@@ -128,8 +128,7 @@ class Engine:
         self.costs = costs  # when set, chunks and head rows are padded to the cheapest measured length
         self.policy: DraftPolicy | None = None
         if config.policy == "cost" and costs is not None:
-            gates = [config.use_gate and heads.gate(e) is not None for e in self.exits]
-            self.policy = DraftPolicy(costs, self.exits, gates)
+            self.policy = DraftPolicy.for_config(costs, config, heads)
 
     def tier_layer(self, tier: int) -> int:
         """The histogram key of a draft tier: its exit layer, or NGRAM_LAYER for the n-gram tier."""
@@ -308,13 +307,17 @@ class Engine:
 
     def _choose_plan(self, state: SequenceState, request: DecodeRequest) -> Plan:
         cfg = self.config
-        budget = min(cfg.max_pending - state.pending, request.max_new_tokens - state.new_tokens)
+        budget = self._draft_budget(state, request)
         proposal, match_len = self._ngram_proposal(state, min(cfg.ngram_draft, budget)) if budget > 0 else ([], 0)
         assert self.policy is not None
         plan = self.policy.plan(state.tracker, budget, proposal, match_len)
         if proposal and plan.kind == "plain":  # score the unused proposal against the token the step will choose
             state.shadow_ngram = (("ngram", match_len), proposal[0])
         return plan
+
+    def _draft_budget(self, state: SequenceState, request: DecodeRequest) -> int:
+        """How many more tokens may be drafted now: the window rule's room and the tokens still to generate."""
+        return min(self.config.max_pending - state.pending, request.max_new_tokens - state.new_tokens)
 
     def _probe_exits(self, state: SequenceState, shadows: list[tuple[int, torch.Tensor]], deep_token: int) -> None:
         """Shadow tokens: would each exit have drafted `deep_token` from the hidden state this step computed?"""
@@ -355,7 +358,7 @@ class Engine:
         verified = request.mode == "verify" or not cfg.ngram_unverified
         if verified and request.mode == "exit" and state.pending:
             return False
-        budget = min(cfg.ngram_draft, cfg.max_pending - state.pending, request.max_new_tokens - state.new_tokens)
+        budget = min(cfg.ngram_draft, self._draft_budget(state, request))
         proposal, match_len = self._ngram_proposal(state, budget)
         if not proposal:
             return False

@@ -107,10 +107,6 @@ class DraftHead(nn.Module):
         bias = getattr(lm_head, "bias", None)
         self.register_buffer("bias", None if bias is None else bias.detach()[token_ids].clone(), persistent=False)
 
-    @property
-    def size(self) -> int:
-        return int(self.token_ids.shape[0])
-
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., K) logits over `token_ids`."""
         return torch.nn.functional.linear(normed, self.weight, self.bias)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .costs import CostModel
 
@@ -43,7 +44,6 @@ class AcceptanceTracker:
     prior: float = 0.5
     rate: float = 0.15  # weight of each new verdict
     estimates: dict[TierKey, float] = field(default_factory=dict)
-    observations: dict[TierKey, int] = field(default_factory=dict)
 
     def estimate(self, key: TierKey) -> float:
         return self.estimates.get(key, self.prior)
@@ -51,7 +51,6 @@ class AcceptanceTracker:
     def observe(self, key: TierKey, accepted: bool) -> None:
         a = self.estimate(key)
         self.estimates[key] = a + self.rate * (float(accepted) - a)
-        self.observations[key] = self.observations.get(key, 0) + 1
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,12 @@ class DraftPolicy:
         self.uses_gate = list(uses_gate)
         self.margin = margin
         self.plain_rate = 1.0 / costs.plain_step()
+
+    @classmethod
+    def for_config(cls, costs: CostModel, config: Any, heads: Any) -> DraftPolicy:
+        """The policy over a router config's consulted exits (each with its gate's cost where it has one in use)."""
+        exits = config.consulted_exit_layers()
+        return cls(costs, exits, [config.use_gate and heads.gate(e) is not None for e in exits])
 
     def ngram_cycle_ms(self, d: int) -> float:
         c = self.costs
