@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from .router import HEADS_ATTR
 
 FOLDABLE_ADAPTERS = ("identity", "postnorm")
 
@@ -80,8 +79,6 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
     state = {}
     layer_prefix = spec.layers + "."
     for key, tensor in model.state_dict().items():
-        if key.startswith(HEADS_ATTR + "."):
-            continue
         if key.startswith(layer_prefix) and int(key[len(layer_prefix) :].split(".", 1)[0]) >= keep:
             continue
         state[key] = tensor

@@ -27,7 +27,6 @@ from .routing import Router
 from .sampling import SamplingParams, TokenSelector
 from .stats import GenerationStats
 
-HEADS_ATTR = "early_exit_heads"  # the submodule the patch registers on the model
 ROUTER_ATTR = "_early_exit_router"  # back-reference, to refuse patching one model twice
 GENERATE_ATTR = "generate"  # instance attribute: model.generate() routes through the router
 
@@ -47,8 +46,10 @@ class EarlyExitRouter:
     """Early-exit generation for one HF causal LM, patched in place.
 
     Build it with `from_pretrained` (alias, HF folder, GGUF file or saved router folder) or `from_model` (an
-    already loaded model). The patch registers the exit heads as the submodule `early_exit_heads` of the model,
-    so `model.to(...)` moves them too; `unpatch()` removes it and returns the untouched model.
+    already loaded model). The patch adds no module, parameter, buffer or hook to the model: the exit heads live
+    in the router (saved only by `router.save_pretrained`) and follow the model's device and dtype when it moves,
+    so `model.state_dict()` and `model.save_pretrained()` stay exactly the base's. `unpatch()` removes the routed
+    `generate` and the back-reference and returns the untouched model.
     """
 
     def __init__(
@@ -69,7 +70,7 @@ class EarlyExitRouter:
         self._model = model
         self.tokenizer = tokenizer
         self.config = config
-        self.heads = heads
+        self._heads = heads
         self._stack = stack
         self.name_or_path = name_or_path
         self._state = "new"  # -> "patched"; "disabled" inside disabled(); "unpatched" for good
@@ -99,7 +100,7 @@ class EarlyExitRouter:
         """
         _compat.check_supported()
         config = (config or RouterConfig()).replace(**overrides) if overrides else (config or RouterConfig())
-        if getattr(model, ROUTER_ATTR, None) is not None or hasattr(model, HEADS_ATTR):
+        if getattr(model, ROUTER_ATTR, None) is not None:
             raise ValueError(
                 "This model is already patched by an EarlyExitRouter: reuse that router, or call its unpatch() first."
             )
@@ -197,7 +198,6 @@ class EarlyExitRouter:
     def _patch(self) -> None:
         model = self._model
         try:
-            model.add_module(HEADS_ATTR, self.heads)
             model.__dict__[ROUTER_ATTR] = self
             if hasattr(type(model), "generate"):
                 model.__dict__[GENERATE_ATTR] = RoutedGenerate(self)  # shadows the class's generate
@@ -208,8 +208,6 @@ class EarlyExitRouter:
 
     def _detach(self) -> None:
         model = self._model
-        if HEADS_ATTR in model._modules:
-            del model._modules[HEADS_ATTR]
         model.__dict__.pop(ROUTER_ATTR, None)
         if isinstance(model.__dict__.get(GENERATE_ATTR), RoutedGenerate):
             del model.__dict__[GENERATE_ATTR]
@@ -248,6 +246,15 @@ class EarlyExitRouter:
 
     # -------------------------------------------------------------------------------------------------- heads
     @property
+    def heads(self) -> ExitHeads:
+        """The exit adapters and gates, on the model's current device and in its dtype."""
+        heads, weight = self._heads, self._stack.lm_head.weight
+        first = next(heads.parameters(), None)
+        if first is not None and (first.device != weight.device or first.dtype != weight.dtype):
+            heads.to(device=weight.device, dtype=weight.dtype)  # the user moved or cast the model
+        return heads
+
+    @property
     def exit_layers(self) -> list[int]:
         return list(self.heads.exit_layers)
 
@@ -257,7 +264,7 @@ class EarlyExitRouter:
 
     def added_parameter_share(self) -> float:
         """Added parameters as a share of the base model's (tied embeddings counted once)."""
-        base = {id(p): p.numel() for n, p in self._model.named_parameters() if not n.startswith(HEADS_ATTR + ".")}
+        base = {id(p): p.numel() for p in self._model.parameters()}
         return self.num_added_parameters() / max(1, sum(base.values()))
 
     def set_gate(self, layer: int, gate: nn.Module | None) -> None:

@@ -134,16 +134,19 @@ def train_heads(router: Any, cache: HiddenStateCache, cfg: TrainingConfig, progr
     report = TrainingReport(train_positions=len(cache), config=asdict(cfg))
     if not params:  # identity adapters: nothing to train
         return report
-    frozen = [p for p in router.model.parameters() if p.requires_grad and all(p is not q for q in params)]
-    for p in frozen:
-        p.requires_grad_(False)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / cfg.max_steps))
-    )
-    heads.train()
+    # The base model is frozen for the run and given back exactly as it was, whatever happens in between.
+    frozen = [p for p in router.model.parameters() if p.requires_grad]  # the heads are not the model's
+    was_training = heads.training
     start = time.perf_counter()
     try:
+        for p in frozen:
+            p.requires_grad_(False)
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / cfg.max_steps)),
+        )
+        heads.train()
         bar = tqdm(range(cfg.max_steps), desc="training exit heads", disable=not progress)
         for step in bar:
             idx = torch.randint(len(cache), (cfg.batch_tokens,), generator=g)
@@ -165,7 +168,7 @@ def train_heads(router: Any, cache: HiddenStateCache, cfg: TrainingConfig, progr
             report.loss_last = losses
             bar.set_postfix({f"L{e}": f"{v:.2f}" for e, v in losses.items()})
     finally:
-        heads.eval()
+        heads.train(was_training)
         for p in frozen:
             p.requires_grad_(True)
     report.steps = cfg.max_steps

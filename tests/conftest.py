@@ -78,9 +78,16 @@ def assert_cache_matches_full_forward(model, sequences: torch.Tensor, cache, ato
 
 
 def model_fingerprint(model) -> dict:
-    """Everything `unpatch()` must restore: parameter count, state_dict keys and values, submodules."""
+    """Everything `unpatch()` must restore, by value: parameters, state_dict, submodules, attributes, flags, hooks,
+    `requires_grad`, `training` and the configs."""
+    hook_dicts = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     return {
         "params": sum(p.numel() for p in model.parameters()),
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "training": {n: m.training for n, m in model.named_modules()},
+        "hooks": {n: [len(getattr(m, d)) for d in hook_dicts] for n, m in model.named_modules()},
+        "config": model.config.to_dict(),
+        "generation_config": model.generation_config.to_dict() if hasattr(model, "generation_config") else None,
         "keys": list(model.state_dict().keys()),
         "values": {k: v.clone() for k, v in model.state_dict().items()},
         "modules": [n for n, _ in model.named_modules()],
@@ -92,6 +99,8 @@ def assert_same_model(before: dict, after: dict) -> None:
     assert before["params"] == after["params"]
     assert before["keys"] == after["keys"]
     assert before["modules"] == after["modules"]
+    for key in ("requires_grad", "training", "hooks", "config", "generation_config"):
+        assert before[key] == after[key], f"{key} changed"
     assert sorted(before["attrs"]) == sorted(after["attrs"])
     for k, v in before["attrs"].items():
         assert after["attrs"][k] is v or after["attrs"][k] == v, f"model.{k} changed"

@@ -150,4 +150,4 @@ def test_a_model_whose_generate_is_overridden_is_refused_untouched():
     model.generate = lambda *a, **k: None
     with pytest.raises(ValueError, match="del model.generate"):
         EarlyExitRouter.from_model(model, exit_layers=[1, 3])
-    assert not hasattr(model, "early_exit_heads")
+    assert "_early_exit_router" not in model.__dict__

@@ -33,7 +33,6 @@ def load_onto_fresh_model(folder):
     with pytest.raises(ValueError) as err:
         EarlyExitRouter._from_saved(model, None, load_router(folder), None, "base")
     assert_same_model(before, model_fingerprint(model))
-    assert not hasattr(model, "early_exit_heads")
     return str(err.value)
 
 

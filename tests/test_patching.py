@@ -7,18 +7,24 @@ import torch
 from transformers import OPTConfig, OPTForCausalLM
 
 from early_exit_router import EarlyExitRouter, RouterConfig
+from early_exit_router.hf_generate import RoutedGenerate
 
 from .conftest import MIXED, assert_same_model, model_fingerprint, prompt, tiny_llama
 
 
-def test_from_model_copies_no_weights_and_adds_only_the_adapters(model):
+def test_from_model_copies_no_weights_and_adds_nothing_to_the_model(model):
+    before = model_fingerprint(model)
     base_params = sum(p.numel() for p in model.parameters())
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
     assert router.model is model
     assert router._stack.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
-    added = sum(p.numel() for p in model.parameters()) - base_params
-    assert added == router.num_added_parameters() == 2 * 32 * 32  # one postnorm map (no bias) per exit
-    assert router.added_parameter_share() == pytest.approx(added / base_params)
+    assert router.num_added_parameters() == 2 * 32 * 32  # one postnorm map (no bias) per exit, in the router
+    assert router.added_parameter_share() == pytest.approx(2 * 32 * 32 / base_params)
+    # The heads are the router's: the model's parameters, state_dict and module tree stay the base's.
+    after = model_fingerprint(model)
+    assert set(after["attrs"]) - set(before["attrs"]) == {"_early_exit_router", "generate"}
+    before["attrs"] = after["attrs"] = {}
+    assert_same_model(before, after)
     assert "exits at [1, 3]" in router.describe() and "UNTRAINED" in router.describe()
 
 
@@ -29,7 +35,6 @@ def test_unpatch_returns_the_original_object_with_identical_logits_params_and_ke
         ref_logits = model(ids).logits
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
     router.generate(ids, max_new_tokens=10)
-    assert "early_exit_heads" in dict(model.named_children())
     base = router.unpatch()
     assert base is model
     assert_same_model(before, model_fingerprint(base))
@@ -52,15 +57,14 @@ def test_disabled_gives_the_plain_model_and_plain_generate(model):
         out = router.generate(ids, max_new_tokens=12)
         assert torch.equal(out.sequences, ref)
         assert out.stats.mode == "plain" and out.stats.exit_histogram == {5: 12}
-    assert router.is_enabled
-    assert "early_exit_heads" in dict(model.named_children())
+    assert router.is_enabled and isinstance(model.__dict__.get("generate"), RoutedGenerate)
 
 
 def test_disabled_restores_the_patch_even_after_an_exception(model):
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
     with pytest.raises(KeyError), router.disabled():
         raise KeyError("boom")
-    assert router.is_enabled and "early_exit_heads" in dict(model.named_children())
+    assert router.is_enabled and isinstance(model.__dict__.get("generate"), RoutedGenerate)
 
 
 def test_a_model_cannot_be_patched_twice(model):

@@ -1,0 +1,76 @@
+"""Nothing of the router leaks into the user's model: not into its checkpoint, and not after an error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from early_exit_router import EarlyExitRouter
+from early_exit_router import router as router_module
+from early_exit_router.training import TrainingConfig, build_cache, train_gates, train_heads
+
+from .conftest import MIXED, assert_same_model, model_fingerprint, prompt, tiny_llama
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_patched_model_saves_exactly_the_base_checkpoint(tmp_path):
+    model = tiny_llama(0)
+    model.save_pretrained(tmp_path / "base")
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    router.heads.add_gates(32)  # gates too: nothing of the router may reach the base checkpoint
+    router.generate(prompt(0), max_new_tokens=6)
+    model.save_pretrained(tmp_path / "patched")
+    assert folder_bytes(tmp_path / "patched") == folder_bytes(tmp_path / "base")
+    assert not any("early_exit" in k for k in model.state_dict())
+
+
+def test_the_heads_follow_the_model_to_another_dtype():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    model.to(torch.float64)
+    out = router.generate(prompt(0), max_new_tokens=6)
+    assert all(p.dtype == torch.float64 for p in router.heads.parameters())
+    with router.disabled():
+        ref = model.generate(prompt(0), max_new_tokens=6, do_sample=False)
+    assert out.stats.new_tokens == 6 and out.sequences.shape == ref.shape
+
+
+def test_an_error_in_the_middle_of_patching_leaves_the_model_untouched(monkeypatch):
+    model = tiny_llama(0)
+    before = model_fingerprint(model)
+
+    class Broken(router_module.RoutedGenerate):
+        def __init__(self, router):
+            raise RuntimeError("injected")
+
+    monkeypatch.setattr(router_module, "RoutedGenerate", Broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    assert_same_model(before, model_fingerprint(model))
+    assert "_early_exit_router" not in model.__dict__
+    monkeypatch.undo()
+    EarlyExitRouter.from_model(model, exit_layers=[1, 3]).unpatch()  # and it can be patched afterwards
+
+
+def test_an_error_in_the_middle_of_training_leaves_the_model_as_it_was():
+    model = tiny_llama(0)
+    model.model.layers[0].mlp.requires_grad_(False)  # the user's own choices must come back as they were
+    model.train()
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    before = model_fingerprint(model)
+    seqs = torch.randint(1, 90, (4, 32), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = build_cache(router._stack, [1, 3], seqs, chunk_len=32, progress=False)
+    broken = build_cache(router._stack, [1], seqs, chunk_len=32, progress=False)  # no states for exit 3
+    with pytest.raises(KeyError):
+        train_heads(router, broken, TrainingConfig(max_steps=3, batch_tokens=16), progress=False)
+    assert_same_model(before, model_fingerprint(model))
+    assert not router.heads.training
+    # A successful run gives the flags back too.
+    train_heads(router, cache, TrainingConfig(max_steps=3, batch_tokens=16), progress=False)
+    train_gates(router, cache, cache, TrainingConfig(gate_steps=3))
+    assert_same_model(before, model_fingerprint(model))
