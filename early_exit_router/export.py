@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-
 FOLDABLE_ADAPTERS = ("identity", "postnorm")
 
 
