@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import RouterConfig
+from .heads import DRAFT_RANKING
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "early_exit_config.json"
@@ -164,7 +165,10 @@ def load_router(path: str | Path) -> SavedRouter:
             f"{weights_file} could not be read as safetensors ({type(exc).__name__}: {exc}); the file is truncated "
             "or corrupt: copy it again or re-save the router."
         ) from None
-    bad = sorted(k for k, v in tensors.items() if not v.is_floating_point())
+    bad = sorted(k for k, v in tensors.items() if not v.is_floating_point() and k != DRAFT_RANKING)
     if bad:
         raise ValueError(f"{weights_file} holds non-float tensors {bad}: exit heads are floating-point weights.")
+    ranking = tensors.get(DRAFT_RANKING)
+    if ranking is not None and (ranking.is_floating_point() or ranking.dim() != 1):
+        raise ValueError(f"{weights_file}: {DRAFT_RANKING} must be a 1-D integer tensor of token ids; re-save it.")
     return SavedRouter(config, identity, exit_layers, has_gates, tensors)

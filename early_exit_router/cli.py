@@ -206,6 +206,40 @@ def build_parser() -> argparse.ArgumentParser:
     _add_load_options(profile)
     _add_router_options(profile)
 
+    survey = sub.add_parser(
+        "survey",
+        help="Fit a cheap exit head at every layer and report agreement, coverage and what drafting there would pay.",
+        description="Cache hidden states of the training corpus after every surveyed layer, fit a fresh adapter "
+        "per layer by self-distillation on the trimmed draft vocabulary, and report per layer: held-out top-1 "
+        "agreement (logit lens and trained), the share of positions that exit at a target precision, the draft "
+        "cost from the measured cost model, the break-even acceptance and the speed-up at the measured agreement.",
+    )
+    survey.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    survey.add_argument(
+        "--layers", type=_int_list, default=None, metavar="L1,L2", help="Layers to survey (default: every layer)."
+    )
+    survey.add_argument("--adapter", default="postnorm", help="Adapter kind to fit (default: %(default)s).")
+    survey.add_argument("--steps", type=int, default=300, help="Optimiser steps per layer (default: %(default)s).")
+    survey.add_argument("--max-tokens", type=int, default=40_000, help="Corpus tokens (default: %(default)s).")
+    survey.add_argument("--precision", type=float, default=0.95, help="Exit precision target (default: %(default)s).")
+    survey.add_argument("--json", default=None, help="Also write the rows to this JSON file.")
+    survey.add_argument("--quiet", action="store_true", help="No progress bars.")
+    _add_load_options(survey)
+
+    memory = sub.add_parser(
+        "memory",
+        help="Print the memory budget at a context length: weights, heads, trimmed head, KV cache, workspace.",
+        description="Weights and heads are counted from their tensors; the KV cache per position is measured on a "
+        "short probe through every layer (sliding-window layers capped at their window). --measure also runs one "
+        "routed generation at that context and compares.",
+    )
+    memory.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    memory.add_argument("--context", type=int, default=2048, help="Positions in the sequence (default: %(default)s).")
+    memory.add_argument("--measure", action="store_true", help="Also measure one generation at that context.")
+    memory.add_argument("--json", action="store_true", help="Print the budget as JSON.")
+    _add_load_options(memory)
+    _add_router_options(memory)
+
     calib = sub.add_parser(
         "calibrate",
         help="Choose the exit threshold that is fastest while meeting a quality target; save it with the heads.",
@@ -455,6 +489,56 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_survey(args: argparse.Namespace) -> int:
+    from .router import EarlyExitRouter
+    from .survey import as_dicts, format_survey, survey_exits
+    from .training import build_cache, corpus_sequences
+
+    router = EarlyExitRouter.from_pretrained(args.model, dtype=args.dtype, device=args.device)
+    stack = router._stack
+    layers = args.layers or list(range(stack.num_layers - 1))
+    bad = [e for e in layers if not 0 <= e < stack.num_layers - 1]
+    if bad:
+        raise ValueError(f"--layers {bad} out of range: exits are layers 0..{stack.num_layers - 2} of this model.")
+    costs = router.costs()
+    sequences, manifest = corpus_sequences(router, args.max_tokens, progress=not args.quiet)
+    cache = build_cache(stack, sorted(set(layers)), sequences, progress=not args.quiet)
+    rows = survey_exits(router, cache, costs, adapter=args.adapter, steps=args.steps, precision=args.precision)
+    title = (
+        f"{router.name_or_path}: '{args.adapter}' adapters, {args.steps} steps, {len(cache)} positions "
+        f"(last 20% held out), draft vocabulary {router.config.draft_vocab_size}; plain step "
+        f"{costs.plain_step():.1f} ms"
+    )
+    print(format_survey(rows, args.precision, title))
+    if args.json:
+        report = {"title": title, "corpus": manifest, "costs": costs.to_dict(), "rows": as_dicts(rows)}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from .memory import measured_bytes, memory_budget
+    from .router import EarlyExitRouter
+
+    if args.context < 2:
+        raise ValueError(f"--context must be at least 2 positions, got {args.context}.")
+    router = EarlyExitRouter.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, **_router_overrides(args)
+    )
+    budget = memory_budget(router, args.context)
+    report: dict[str, Any] = budget.to_dict()
+    if args.measure:
+        report["measured"] = measured_bytes(router, args.context)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(router.describe())
+    print(budget.markdown())
+    if args.measure:
+        print(f"\nmeasured: {report['measured'] / 2**20:.2f} MiB ({report['measured'] / budget.total - 1:+.1%})")
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import DEFAULT_CANDIDATES, CalibrationConfig, QualityTarget, calibrate, split_prompts
     from .corpus import CALIBRATION_PROMPTS, load_prompts
@@ -518,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_calibrate(args)
         if args.command == "profile":
             return cmd_profile(args)
+        if args.command == "survey":
+            return cmd_survey(args)
+        if args.command == "memory":
+            return cmd_memory(args)
         if args.command == "export-draft":
             return cmd_export_draft(args)
     except (ValueError, FileNotFoundError, ImportError) as exc:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+DRAFT_RANKING = "draft_ranking"  # state_dict key of ExitHeads' token ranking for the trimmed draft head
+
 
 class IdentityAdapter(nn.Module):
     """No parameters: the logit lens."""
@@ -77,7 +79,7 @@ class PostNormAdapter(nn.Module):
         return eye + self.proj.weight
 
 
-def _exit_normed(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
+def exit_normed(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
     """What an exit feeds its LM head: the adapter (before or after the final norm) and the final norm."""
     if adapter is None:
         return stack.final_norm(hidden)
@@ -88,7 +90,7 @@ def _exit_normed(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) ->
 
 def exit_logits(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
     """Exit-head logits `(..., vocab)` for hidden states `(..., hidden)`; adapter None is the logit lens."""
-    return stack.unembed(_exit_normed(stack, adapter, hidden))
+    return stack.unembed(exit_normed(stack, adapter, hidden))
 
 
 class DraftHead(nn.Module):
@@ -118,7 +120,7 @@ def draft_logits(stack: Any, adapter: nn.Module | None, draft: DraftHead | None,
     rule unchanged: a draft distribution that is zero outside the set is still a valid q."""
     if draft is None:
         return exit_logits(stack, adapter, hidden)
-    sub = stack.softcap(draft(_exit_normed(stack, adapter, hidden)))  # (..., K)
+    sub = stack.softcap(draft(exit_normed(stack, adapter, hidden)))  # (..., K)
     full = torch.full((*sub.shape[:-1], stack.vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
     return full.index_copy_(-1, draft.token_ids, sub)
 
@@ -172,10 +174,12 @@ class ExitHeads(nn.Module):
         return self.gates[key] if key in self.gates else None
 
     def draft_head(self, stack: Any, size: int) -> DraftHead | None:
-        """The trimmed draft head over the first `size` token ids (None when `size` covers the vocabulary).
+        """The trimmed draft head over `size` token ids (None when `size` covers the vocabulary).
 
-        Id order follows BPE merge order, and so frequency, roughly. Built once per size, device, dtype and head
-        weight, and kept outside the module tree (a plain attribute), so that it never enters a state_dict."""
+        The ids are the first `size` of `draft_ranking` (the model's own most frequent next tokens, measured when
+        the heads were trained), or else the first `size` ids, whose BPE merge order follows frequency roughly.
+        Built once per size, device, dtype and head weight, and kept outside the module tree (a plain attribute),
+        so that it never enters a state_dict."""
         if size <= 0 or size >= stack.vocab_size:
             return None
         weight = stack.lm_head.weight
@@ -183,8 +187,23 @@ class ExitHeads(nn.Module):
         cached = self.__dict__.setdefault("_draft_heads", {})
         if key not in cached:
             cached.clear()  # one size at a time: a stale slice is memory for nothing
-            cached[key] = DraftHead(stack.lm_head, torch.arange(size))
+            ranking = self.draft_token_ranking()
+            ids = torch.arange(size) if ranking is None else ranking[:size].sort().values.cpu()
+            cached[key] = DraftHead(stack.lm_head, ids)
         return cached[key]
+
+    def draft_token_ranking(self) -> torch.Tensor | None:
+        """(vocab,) every token id, most frequent model prediction first; None when none was measured."""
+        return self._buffers.get(DRAFT_RANKING)
+
+    def set_draft_token_ranking(self, ranking: torch.Tensor, vocab_size: int) -> None:
+        """Store the token ranking the trimmed draft head takes its ids from (saved with the heads)."""
+        ranking = torch.as_tensor(ranking).detach().to(torch.long).flatten().cpu()
+        if ranking.numel() != vocab_size or not torch.equal(ranking.sort().values, torch.arange(vocab_size)):
+            raise ValueError(f"A draft token ranking must order every one of the {vocab_size} token ids exactly once.")
+        device = next((p.device for p in self.parameters()), ranking.device)
+        self.register_buffer(DRAFT_RANKING, ranking.to(device))
+        self.__dict__.pop("_draft_heads", None)
 
     def add_gates(self, hidden_size: int) -> None:
         """Give every exit a (zero-initialised) learned gate; training fills them."""
@@ -193,3 +212,12 @@ class ExitHeads(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def draft_token_ranking(top1: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(vocab,) token ids ordered by how often they are the model's top-1 prediction in `top1` (ties: lower id
+    first, so that ids never predicted keep their BPE order behind the predicted ones). FR-Spec's frequency-ranked
+    vocabulary, from the model's own predictions."""
+    counts = torch.bincount(top1.flatten().cpu(), minlength=vocab_size)[:vocab_size]
+    # Stable descending sort: equal counts keep ascending id order.
+    return torch.sort(-counts, stable=True).indices

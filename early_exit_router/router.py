@@ -19,7 +19,7 @@ from .checkpoint import BaseModelIdentity, head_fingerprint, head_hash, is_route
 from .config import MODES, RouterConfig
 from .costs import CostModel, cost_key, cost_model_for
 from .engine import DecodeRequest, Engine
-from .heads import ExitHeads
+from .heads import DRAFT_RANKING, ExitHeads
 from .hf_generate import RoutedGenerate
 from .models import load_base_model, resolve_alias, shipped_checkpoint
 from .ngram import SuffixStore
@@ -175,6 +175,13 @@ class EarlyExitRouter:
         heads = ExitHeads(saved.exit_layers, stack.hidden_size, config.adapter, config.adapter_rank)
         if saved.has_gates:
             heads.add_gates(stack.hidden_size)
+        if DRAFT_RANKING in saved.tensors:
+            try:
+                heads.set_draft_token_ranking(saved.tensors[DRAFT_RANKING], stack.vocab_size)
+            except ValueError as exc:
+                raise ValueError(
+                    f"The saved heads' draft token ranking is broken: {exc} Re-save or retrain them."
+                ) from None
         expected = heads.state_dict()
         wrong = {
             k: (tuple(v.shape), tuple(expected[k].shape))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .heads import LearnedGate, exit_logits
+from .heads import LearnedGate, draft_token_ranking, exit_logits
 
 
 @dataclass
@@ -119,6 +119,8 @@ class TrainingReport:
     loss_first: dict[int, float] = field(default_factory=dict)
     loss_last: dict[int, float] = field(default_factory=dict)
     gate_accuracy: dict[int, float] = field(default_factory=dict)
+    gate_auc: dict[int, float] = field(default_factory=dict)  # held out: P(score of an agreeing > a disagreeing)
+    gate_saved_at_recall: dict[int, float] = field(default_factory=dict)  # head calls skipped at 0.95 recall
     config: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,13 +206,16 @@ def exit_top1(
 
 def train_gates(
     router: Any, train: HiddenStateCache, holdout: HiddenStateCache, cfg: TrainingConfig, max_positions: int = 20_000
-) -> dict[int, float]:
-    """Fit a logistic gate per exit predicting agreement with the full model; returns holdout accuracy per exit."""
+) -> dict[int, dict[str, float]]:
+    """Fit a logistic gate per exit predicting agreement with the full model.
+
+    Returns, per exit, held-out `accuracy` at 0.5, `auc`, and `saved_at_recall`: the share of head calls the gate
+    skips at a threshold that still lets 95% of the agreeing positions through."""
     g = torch.Generator().manual_seed(cfg.seed)
     train = train.select(torch.randperm(len(train), generator=g)[:max_positions])
     target, target_hold = teacher_top1(router, train), teacher_top1(router, holdout)
     router.heads.add_gates(router._stack.hidden_size)
-    accuracy = {}
+    quality = {}
     for layer in router.heads.exit_layers:
         gate: LearnedGate = router.heads.gate(layer).float()
         y = (exit_top1(router, train, layer) == target).float()
@@ -227,9 +232,37 @@ def train_gates(
             optimizer.step()
         with torch.no_grad():
             y_hold = exit_top1(router, holdout, layer) == target_hold
-            accuracy[layer] = float(((gate(holdout.exits[layer]) >= 0.5) == y_hold).float().mean())
+            score = gate(holdout.exits[layer])
+            quality[layer] = {
+                "accuracy": float(((score >= 0.5) == y_hold).float().mean()),
+                "auc": roc_auc(score, y_hold),
+                "saved_at_recall": saved_at_recall(score, y_hold, 0.95),
+            }
         gate.to(device=router._stack.device, dtype=router._stack.dtype)
-    return accuracy
+    return quality
+
+
+def roc_auc(score: torch.Tensor, positive: torch.Tensor) -> float:
+    """Area under the ROC curve: the chance that a random positive scores above a random negative (ties: half)."""
+    pos, neg = score[positive].float(), score[~positive].float()
+    if len(pos) == 0 or len(neg) == 0:
+        return float("nan")
+    both = torch.cat([pos, neg])
+    # Mann-Whitney U from ranks; tied scores share their average rank, so a tie counts half.
+    _, inverse, counts = torch.unique(both, return_inverse=True, return_counts=True)  # sorted distinct values
+    ends = counts.cumsum(0).to(both.dtype)
+    ranks = (ends - (counts.to(both.dtype) - 1) / 2)[inverse]
+    u = ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2
+    return float(u / (len(pos) * len(neg)))
+
+
+def saved_at_recall(score: torch.Tensor, positive: torch.Tensor, recall: float) -> float:
+    """Share of all positions scored below the threshold that keeps `recall` of the positives above it."""
+    pos = score[positive].float().sort().values
+    if len(pos) == 0:
+        return 1.0
+    threshold = pos[int((1 - recall) * len(pos))]
+    return float((score.float() < threshold).float().mean())
 
 
 def corpus_sequences(
@@ -299,9 +332,15 @@ def distill_router(
     cache = build_cache(router._stack, router.heads.exit_layers, sequences, cfg.chunk_len, progress=progress)
     cache_s = time.perf_counter() - start
     train, holdout = cache.split(cfg.holdout_share, cfg.seed)
+    if router.config.draft_vocab_size:  # the trimmed draft head keeps the model's most frequent predictions
+        vocab = router._stack.vocab_size
+        router.heads.set_draft_token_ranking(draft_token_ranking(teacher_top1(router, train), vocab), vocab)
     report = train_heads(router, train, cfg, progress=progress)
     if gates:
-        report.gate_accuracy = train_gates(router, train, holdout, cfg)
+        quality = train_gates(router, train, holdout, cfg)
+        report.gate_accuracy = {e: q["accuracy"] for e, q in quality.items()}
+        report.gate_auc = {e: q["auc"] for e, q in quality.items()}
+        report.gate_saved_at_recall = {e: q["saved_at_recall"] for e, q in quality.items()}
     router.config = router.config.replace(heads_trained=True)
     result: dict[str, Any] = {"training": report.to_dict(), "cache_seconds": round(cache_s, 1)}
     signals = exit_signals(router, holdout)

@@ -85,8 +85,9 @@ def test_gates_train_and_switching_them_off_equals_having_none():
     cfg = TrainingConfig(max_steps=20, batch_tokens=128, lr=1e-2, gate_steps=50)
     train_heads(router, train, cfg, progress=False)
     without_gates = router.generate(prompt(0), max_new_tokens=30)
-    accuracy = train_gates(router, train, holdout, cfg)
-    assert set(accuracy) == {1, 3} and all(0 <= a <= 1 for a in accuracy.values())
+    quality = train_gates(router, train, holdout, cfg)
+    assert set(quality) == {1, 3}
+    assert all(0 <= q[k] <= 1 for q in quality.values() for k in ("accuracy", "auc", "saved_at_recall"))
     assert set(router.heads.gates) == {"1", "3"}
     router.config = router.config.replace(use_gate=False)
     off = router.generate(prompt(0), max_new_tokens=30)
@@ -108,3 +109,15 @@ def test_quality_report_replays_the_cascade():
     assert everything[0][1] == 1.0 and everything[1][1] == 0.0
     assert suggest_high_threshold(signals, router.config, VOCAB, target=0.0)[0] == 0.30  # lowest in the sweep
     assert suggest_high_threshold(signals, router.config, VOCAB, target=1.01) == (1.0, 0.0, 1.0)  # unreachable
+
+
+def test_auc_and_saved_share_on_known_scores():
+    from early_exit_router.training import roc_auc, saved_at_recall
+
+    positive = torch.tensor([True, True, False, False])
+    assert roc_auc(torch.tensor([0.9, 0.8, 0.2, 0.1]), positive) == 1.0
+    assert roc_auc(torch.tensor([0.1, 0.2, 0.8, 0.9]), positive) == 0.0
+    assert roc_auc(torch.tensor([0.5, 0.5, 0.5, 0.5]), positive) == 0.5  # ties count half
+    assert roc_auc(torch.tensor([0.9, 0.3, 0.5, 0.1]), positive) == 0.75
+    # Keeping both positives means a threshold at 0.8: the two negatives below it are skipped.
+    assert saved_at_recall(torch.tensor([0.9, 0.8, 0.2, 0.1]), positive, 0.95) == 0.5

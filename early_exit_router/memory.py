@@ -1,0 +1,119 @@
+"""The memory budget of a routed model at a context length: what a limited-VRAM deployment has to fit.
+
+Weights are counted from the tensors themselves (tied weights once). The KV cache is measured, not derived from
+config fields: a short probe runs every layer into a fresh cache, and each layer's bytes per position are read off
+its tensors, so grouped-query attention, per-layer head dims and quantized caches count as they are stored.
+Sliding-window layers hold at most their window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+PROBE_POSITIONS = 8
+
+
+@dataclass
+class MemoryBudget:
+    """Bytes per part, for one sequence whose cache holds `context` positions."""
+
+    context: int
+    base_weights: int
+    heads: int  # exit adapters and gates
+    draft_head: int  # the trimmed draft head's slice of the LM head (a copy)
+    kv_cache: int
+    fill_workspace: int  # a deep pass over max_pending + 1 positions: its logits rows and waiting hidden states
+
+    @property
+    def total(self) -> int:
+        return self.base_weights + self.heads + self.draft_head + self.kv_cache + self.fill_workspace
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total}
+
+    def markdown(self) -> str:
+        rows = [
+            ("base weights", self.base_weights),
+            ("exit heads and gates", self.heads),
+            ("trimmed draft head", self.draft_head),
+            (f"KV cache ({self.context} positions)", self.kv_cache),
+            ("fill workspace", self.fill_workspace),
+            ("total", self.total),
+        ]
+        lines = ["| part | MiB | share of base weights |", "|---|---|---|"]
+        for name, size in rows:
+            lines.append(f"| {name} | {size / 2**20:.2f} | {size / max(1, self.base_weights):.1%} |")
+        return "\n".join(lines)
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of distinct storages among `tensors` (tied or shared weights count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes the keys and values of every layer of a DynamicCache hold now."""
+    return tensor_bytes(
+        t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+    )
+
+
+@torch.no_grad()
+def kv_bytes_per_position(stack: Any) -> list[int]:
+    """Per layer, the bytes one position adds to the cache: measured on a short probe."""
+    cache = stack.new_cache()
+    ids = torch.zeros((1, PROBE_POSITIONS), dtype=torch.long, device=stack.device)
+    positions = torch.arange(PROBE_POSITIONS, device=stack.device).unsqueeze(0)
+    stack.run(stack.embed(ids), 0, stack.num_layers, cache, positions)
+    out = []
+    for layer in cache.layers:
+        size = sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        out.append(size // PROBE_POSITIONS)
+    return out
+
+
+def memory_budget(router: Any, context: int) -> MemoryBudget:
+    """The budget of `router`'s model for one sequence of `context` positions."""
+    stack, config = router._stack, router.config
+    model = router.model
+    base = tensor_bytes(list(model.parameters()) + list(model.buffers()))
+    heads = tensor_bytes(list(router.heads.parameters()))
+    draft = router.heads.draft_head(stack, config.draft_vocab_size)
+    draft_bytes = 0 if draft is None else tensor_bytes([draft.weight, draft.bias])
+    window = getattr(stack.config, "sliding_window", None)
+    kv = 0
+    for kind, per_position in zip(stack.mask_kinds, kv_bytes_per_position(stack)):
+        held = min(context, window) if kind == "sliding_attention" and window else context
+        kv += per_position * held
+    element = torch.finfo(stack.dtype).bits // 8
+    rows = config.max_pending + 1
+    workspace = rows * stack.vocab_size * 4 + rows * stack.hidden_size * element * (len(router.exit_layers) + 1)
+    return MemoryBudget(context, base, heads, draft_bytes, kv, workspace)
+
+
+@torch.no_grad()
+def measured_bytes(router: Any, context: int) -> int:
+    """What one routed generation at `context` positions holds: on CUDA the allocator's peak; elsewhere the bytes
+    of the weights, heads, draft head and the returned cache (a prompt of `context` tokens and one new one, so that
+    the cache holds `context` positions)."""
+    stack = router._stack
+    ids = torch.randint(0, min(stack.vocab_size, 1000), (1, context), generator=torch.Generator().manual_seed(0))
+    cuda = stack.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(stack.device)
+        torch.cuda.reset_peak_memory_stats(stack.device)
+    out = router.generate(ids.to(stack.device), max_new_tokens=1, mode="verify")
+    if cuda:
+        return int(torch.cuda.max_memory_allocated(stack.device))
+    draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
+    weights = list(router.model.parameters()) + list(router.model.buffers()) + list(router.heads.parameters())
+    return tensor_bytes(weights + ([] if draft is None else [draft.weight, draft.bias])) + cache_bytes(out.cache)

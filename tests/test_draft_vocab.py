@@ -1,0 +1,94 @@
+"""The frequency-ranked draft vocabulary (FR-Spec) and the exit-layer survey, on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from early_exit_router import EarlyExitRouter
+from early_exit_router.checkpoint import WEIGHTS_NAME, load_router
+from early_exit_router.heads import DRAFT_RANKING, draft_token_ranking
+from early_exit_router.policy import DraftPolicy
+from early_exit_router.survey import break_even_acceptance, coverage_at, survey_exits
+from early_exit_router.training import TrainingConfig, build_cache, distill_router
+
+from .conftest import MIXED, VOCAB, prompt, tiny_costs, tiny_llama
+
+RANKED = dict(MIXED, draft_vocab_size=32)
+
+
+def corpus(n: int = 8, length: int = 64) -> list[list[int]]:
+    return torch.randint(1, VOCAB, (n, length), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def test_ranking_orders_by_prediction_count_then_id():
+    top1 = torch.tensor([7, 7, 7, 3, 3, 90, 5])
+    ranking = draft_token_ranking(top1, VOCAB)
+    assert ranking[:5].tolist() == [7, 3, 5, 90, 0]  # 5 and 90 tie: lower id first; then never-predicted ids
+    assert sorted(ranking.tolist()) == list(range(VOCAB))
+
+
+def test_the_draft_head_takes_the_ranked_ids_and_verify_stays_exact(tmp_path):
+    model = tiny_llama(0)
+    ids = prompt(0)
+    ref = model.generate(ids, max_new_tokens=16, do_sample=False)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **RANKED)
+    ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))
+    router.heads.set_draft_token_ranking(ranking, VOCAB)
+    draft = router.heads.draft_head(router._stack, 32)
+    assert draft.token_ids.tolist() == sorted(ranking[:32].tolist())
+    out = router.generate(ids, max_new_tokens=16, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    # Saved and loaded with the heads, as integers.
+    router.save_pretrained(tmp_path / "r")
+    assert torch.equal(load_file(str(tmp_path / "r" / WEIGHTS_NAME))[DRAFT_RANKING], ranking)
+    router.unpatch()
+    again = EarlyExitRouter._from_saved(model, None, load_router(tmp_path / "r"), None, "tiny")
+    assert torch.equal(again.heads.draft_token_ranking().cpu(), ranking)
+    assert torch.equal(again.heads.draft_head(again._stack, 32).token_ids.cpu(), draft.token_ids.cpu())
+
+
+@pytest.mark.parametrize("bad", [torch.arange(VOCAB - 1), torch.zeros(VOCAB, dtype=torch.long)])
+def test_a_ranking_that_is_not_a_permutation_is_refused(tmp_path, bad):
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **RANKED)
+    with pytest.raises(ValueError, match="every one of the 96 token ids exactly once"):
+        router.heads.set_draft_token_ranking(bad, VOCAB)
+    router.save_pretrained(tmp_path / "r")
+    path = tmp_path / "r" / WEIGHTS_NAME
+    tensors = load_file(str(path))
+    save_file({**tensors, DRAFT_RANKING: bad}, str(path))
+    model = tiny_llama(0)
+    with pytest.raises(ValueError, match="draft token ranking"):
+        EarlyExitRouter._from_saved(model, None, load_router(tmp_path / "r"), None, "tiny")
+    assert "_early_exit_router" not in model.__dict__
+
+
+def test_training_ranks_the_draft_vocabulary_by_the_model_own_predictions():
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **RANKED)
+    distill_router(router, corpus(), TrainingConfig(max_steps=2, batch_tokens=32, gate_steps=2), progress=False)
+    ranking = router.heads.draft_token_ranking()
+    assert ranking is not None and sorted(ranking.tolist()) == list(range(VOCAB))
+
+
+def test_coverage_and_break_even():
+    confidence = torch.tensor([0.9, 0.8, 0.7, 0.6])
+    assert coverage_at(confidence, torch.tensor([True, True, False, True]), 0.95) == 0.5
+    assert coverage_at(confidence, torch.tensor([False, True, True, True]), 0.95) == 0.0
+    costs = tiny_costs()
+    flat = break_even_acceptance(DraftPolicy(costs["flat"], [1], [False]), 0, 8)
+    steep = break_even_acceptance(DraftPolicy(costs["steep"], [1], [False]), 0, 8)
+    assert 0.0 < flat < steep <= 1.0  # drafting pays at lower acceptance where extra positions are cheap
+
+
+def test_survey_fits_every_layer_and_leaves_the_router_heads_alone():
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **RANKED)
+    before = {k: v.clone() for k, v in router.heads.state_dict().items()}
+    cache = build_cache(router._stack, [0, 1, 2, 3, 4], corpus(), chunk_len=64, progress=False)
+    rows = survey_exits(router, cache, tiny_costs()["flat"], steps=5, batch_tokens=32)
+    assert [r.layer for r in rows] == [0, 1, 2, 3, 4]
+    for r in rows:
+        assert 0 <= r.lens_agreement <= 1 and 0 <= r.trained_agreement <= 1 and 0 <= r.coverage <= 1
+        assert r.draft_ms > 0 and 0 < r.break_even <= 1 and r.speedup > 0
+    assert [r.draft_ms for r in rows] == sorted(r.draft_ms for r in rows)  # deeper drafts cost more
+    assert all(torch.equal(v, router.heads.state_dict()[k]) for k, v in before.items())

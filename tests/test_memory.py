@@ -1,0 +1,27 @@
+"""The memory budget: weights counted once, the KV cache measured per layer, against what generation holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from early_exit_router import EarlyExitRouter
+from early_exit_router.memory import cache_bytes, measured_bytes, memory_budget
+
+from .conftest import MIXED, tiny_llama
+
+
+@pytest.mark.parametrize("context", [16, 64])
+def test_the_budget_matches_what_a_generation_holds(context):
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **dict(MIXED, draft_vocab_size=32))
+    budget = memory_budget(router, context)
+    model = router.model
+    assert budget.base_weights == sum(p.numel() * 4 for p in model.parameters()) - (
+        model.lm_head.weight.numel() * 4 if model.config.tie_word_embeddings else 0
+    ) + sum(b.numel() * b.element_size() for b in model.buffers())
+    assert budget.heads == router.num_added_parameters() * 4
+    assert budget.draft_head == 32 * 32 * 4
+    out = router.generate(torch.randint(1, 90, (1, context)), max_new_tokens=1, mode="verify")
+    assert cache_bytes(out.cache) == budget.kv_cache
+    measured = measured_bytes(router, context)
+    assert abs(measured - (budget.total - budget.fill_workspace)) <= 0.1 * measured
