@@ -124,7 +124,7 @@ def survey_exits(
             confidence, arg = probs.max(-1)
             correct = ids[arg.cpu()] == hold_target
         agreement = float(correct.float().mean())
-        _, rate = policy.best_draft(agreement, lambda d: policy.exit_cycle_ms(0, d), max_draft)
+        _, rate = policy.best_draft(agreement, lambda d, p=policy: p.exit_cycle_ms(0, d), max_draft)
         rows.append(
             SurveyRow(
                 layer=layer,
@@ -149,8 +149,8 @@ def format_survey(rows: list[SurveyRow], precision: float, title: str) -> str:
     lines = [
         f"### {title}",
         "",
-        f"| layer | lens agreement | trained agreement | exits at >= {precision:.2f} | draft ms | break-even acceptance "
-        "| speed-up at measured agreement |",
+        f"| layer | lens agreement | trained agreement | exits at >= {precision:.2f} | draft ms "
+        "| break-even acceptance | speed-up at measured agreement |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
