@@ -138,6 +138,13 @@ def check_supported() -> None:
 GENERATE_CACHE_KWARG = "cache"  # the model_kwargs key generate() prepares its cache under
 
 
+def forward_cache(output: Any) -> Any:
+    """The cache a model's forward returned: `cache` in 5.x (reading `past_key_values` warns), else the old field."""
+    if "cache" in getattr(output, "keys", dict)():
+        return output["cache"]
+    return getattr(output, "past_key_values", None)
+
+
 def generate_output(sequences: torch.Tensor, scores: Any, logits: Any, cache: Any) -> Any:
     """HF's decoder-only generate output, with the cache under this release's field name."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput

@@ -41,6 +41,8 @@ class ArchitectureSpec:
     position_style: str = "rotary_shared"
     mask_rule: str = "full"
     embed_scale: str | None = None  # "sqrt_hidden" multiplies embeddings by sqrt(hidden_size) (Gemma)
+    embed_multiplier: float | None = None  # measured by discovery: the forward scales embeddings (Granite, Gemma)
+    logit_multiplier: float | None = None  # measured by discovery: the forward scales logits (Cohere, Granite)
     final_logit_softcapping_attr: str | None = None
     notes: str = ""
 
@@ -159,6 +161,8 @@ class LayerStack:
         hidden = self.embed_tokens(input_ids)
         if self.spec.embed_scale == "sqrt_hidden":
             hidden = hidden * torch.tensor(math.sqrt(self.hidden_size), dtype=hidden.dtype)
+        if self.spec.embed_multiplier is not None:
+            hidden = hidden * torch.tensor(self.spec.embed_multiplier, dtype=hidden.dtype)
         if self.position_embed is not None:  # learned absolute positions; rotary models add theirs in attention
             positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             hidden = hidden + self.position_embed(positions).unsqueeze(0)
@@ -223,10 +227,13 @@ class LayerStack:
         return self.unembed(self.final_norm(_pad_rows(hidden, pad_to)))[:, :q]
 
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.softcap(self.lm_head(normed))
+        return self.finish_logits(self.lm_head(normed))
 
-    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
-        """The family's final logit soft-capping (Gemma), or the logits unchanged."""
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the family does to the LM head's output: a logit multiplier (Cohere, Granite) or soft-capping
+        (Gemma), or nothing."""
+        if self.spec.logit_multiplier is not None:
+            logits = logits * self.spec.logit_multiplier
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits

@@ -120,7 +120,7 @@ def draft_logits(stack: Any, adapter: nn.Module | None, draft: DraftHead | None,
     rule unchanged: a draft distribution that is zero outside the set is still a valid q."""
     if draft is None:
         return exit_logits(stack, adapter, hidden)
-    sub = stack.softcap(draft(exit_normed(stack, adapter, hidden)))  # (..., K)
+    sub = stack.finish_logits(draft(exit_normed(stack, adapter, hidden)))  # (..., K)
     full = torch.full((*sub.shape[:-1], stack.vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
     return full.index_copy_(-1, draft.token_ids, sub)
 

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from . import __version__, _compat
-from .architecture import LayerStack, spec_for
+from .architecture import LayerStack
 from .checkpoint import BaseModelIdentity, head_fingerprint, head_hash, is_router_dir, load_router, save_router
 from .config import MODES, RouterConfig
 from .costs import CostModel, cost_key, cost_model_for
+from .discovery import stack_for
 from .engine import DecodeRequest, Engine
 from .heads import DRAFT_RANKING, ExitHeads
 from .hf_generate import RoutedGenerate
@@ -109,8 +110,7 @@ class EarlyExitRouter:
                 "model.generate is overridden on this model object (by another plugin or a custom_generate repo); "
                 "the router would hide it. Delete that attribute first (del model.generate)."
             )
-        spec = spec_for(model)
-        stack = LayerStack(model, spec)
+        stack = stack_for(model)
         exit_layers = config.resolved_exit_layers(stack.num_layers)
         # Fresh heads are the logit lens, whatever a reused config says.
         config = config.replace(exit_layers=exit_layers, heads_trained=False)
@@ -169,8 +169,7 @@ class EarlyExitRouter:
                     "Train new heads for a different layout."
                 )
         config = base_config.replace(**overrides) if overrides else base_config
-        spec = spec_for(model)
-        stack = LayerStack(model, spec)
+        stack = stack_for(model)
         saved.identity.check_matches(_identity(stack, name))
         heads = ExitHeads(saved.exit_layers, stack.hidden_size, config.adapter, config.adapter_rank)
         if saved.has_gates:

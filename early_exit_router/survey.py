@@ -86,7 +86,7 @@ def survey_exits(
     n_train = int(n * (1 - holdout_share))
 
     def unembed(normed: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, K) trimmed logits
-        return stack.softcap(normed.float() @ weight.T)
+        return stack.finish_logits(normed.float() @ weight.T)
 
     with torch.no_grad():
         final = cache.final_normed.to(stack.device)

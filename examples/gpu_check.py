@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from early_exit_router import EarlyExitRouter  # noqa: E402
+from early_exit_router import EarlyExitRouter
+from early_exit_router.memory import measured_bytes, memory_budget  # noqa: E402
 from tests.conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, tiny_llama  # noqa: E402
 
 FAILURES: list[str] = []
@@ -132,6 +133,9 @@ def main() -> int:
         contract(f"smollm2 {dtype}", model, ids, [10, 20], {}, atol=5e-2)
         router = EarlyExitRouter.from_pretrained("smollm2-135m", dtype=dtype, device="cuda")
         timing(router)
+        budget = memory_budget(router, 4096)  # the `memory` command's report against the allocator's peak
+        peak = measured_bytes(router, 4096)
+        check(f"smollm2 {dtype} memory budget", abs(peak / budget.total - 1) <= 0.1, f"{budget.total} vs peak {peak}")
     print("ALL PASS" if not FAILURES else f"FAILED: {FAILURES}")
     return 0 if not FAILURES else 1
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -16,6 +17,8 @@ from transformers import (
 )
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.architecture import architecture_table
+from early_exit_router.discovery import ArchitectureMismatchError, discover_spec, self_test
 
 from .conftest import (
     MIXED,
@@ -52,11 +55,70 @@ FAMILIES = {
     # Learned absolute positions, LayerNorm, Conv1D projections, transformer.h layout.
     "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=32, n_inner=64, n_layer=6, n_head=4, n_positions=512),
 }
+NO_SPECIAL = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # the tiny vocabulary has none of theirs
+# Families without a spec file: discovery and the self-test alone.
+DISCOVERED = {
+    "gemma": lambda: transformers.GemmaConfig(**COMMON, head_dim=8),
+    # Post-norms, soft-capped attention and logits, sliding and global layers.
+    "gemma2": lambda: transformers.Gemma2Config(**COMMON, head_dim=8, sliding_window=5, final_logit_softcapping=30.0),
+    "olmo": lambda: transformers.OlmoConfig(**COMMON, **NO_SPECIAL),
+    "olmo2": lambda: transformers.Olmo2Config(**COMMON, **NO_SPECIAL),  # post-norms, q/k norms
+    "olmo3": lambda: transformers.Olmo3Config(**COMMON, sliding_window=5, **NO_SPECIAL),
+    # Partial rotary and biased LayerNorm.
+    "stablelm": lambda: transformers.StableLmConfig(**COMMON, partial_rotary_factor=0.25, **NO_SPECIAL),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        rotary_pct=0.25,
+        tie_word_embeddings=False,
+        **NO_SPECIAL,
+    ),
+    "phi": lambda: transformers.PhiConfig(**COMMON, partial_rotary_factor=0.5, **NO_SPECIAL),
+    "cohere": lambda: transformers.CohereConfig(**COMMON, logit_scale=2.0, **NO_SPECIAL),  # a logit multiplier
+    # Embedding, residual, attention and logit multipliers.
+    "granite": lambda: transformers.GraniteConfig(
+        **COMMON, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=0.5, attention_multiplier=0.3
+    ),
+    "starcoder2": lambda: transformers.Starcoder2Config(**COMMON, sliding_window=5, **NO_SPECIAL),
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    ),
+    "smollm3": lambda: transformers.SmolLM3Config(**COMMON, **NO_SPECIAL),  # layers without rotary (NoPE)
+    "glm4": lambda: transformers.Glm4Config(**COMMON, head_dim=8, **NO_SPECIAL),
+    "helium": lambda: transformers.HeliumConfig(**COMMON, head_dim=8, **NO_SPECIAL),
+    "gptj": lambda: transformers.GPTJConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=6, n_head=4, rotary_dim=4, n_positions=512, **NO_SPECIAL
+    ),
+}
+# Families the stack cannot run segment by segment: refused, with the reason.
+REFUSED = {
+    "opt": (
+        lambda: transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=6, num_attention_heads=4, **NO_SPECIAL
+        ),
+        "cannot be run segment by segment",
+    ),
+    "bloom": (
+        lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=6, n_head=4, **NO_SPECIAL),
+        "expected one final norm",
+    ),
+    "falcon": (
+        lambda: transformers.FalconConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6, num_attention_heads=4, alibi=True, **NO_SPECIAL
+        ),
+        "cannot be run segment by segment",
+    ),
+}
 
 
 def build(family: str, seed: int = 0):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+    model = AutoModelForCausalLM.from_config({**FAMILIES, **DISCOVERED}[family]()).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # spread confidences, as in conftest.tiny_llama
     model.generation_config.eos_token_id = None
@@ -64,10 +126,11 @@ def build(family: str, seed: int = 0):
     return model
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(DISCOVERED))
 def test_family_contract(family):
     model = build(family)
     assert model.config.model_type == family.split("-")[0]
+    assert (family in DISCOVERED) == (model.config.model_type not in architecture_table())
     before = model_fingerprint(model)
     ids = prompt(0)
     ref = model.generate(ids, max_new_tokens=24, do_sample=False)
@@ -91,3 +154,44 @@ def test_family_contract(family):
 
     assert router.unpatch() is model
     assert_same_model(before, model_fingerprint(model))
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_a_family_the_stack_cannot_run_is_refused_with_the_reason(family):
+    config, reason = REFUSED[family]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config()).eval()
+    before = model_fingerprint(model)
+    with pytest.raises(ValueError, match=reason):
+        EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    assert_same_model(before, model_fingerprint(model))
+
+
+def test_discovery_measures_the_multipliers_and_the_self_test_refuses_wrong_ones():
+    model = build("granite")
+    spec = discover_spec(model)
+    assert spec.embed_multiplier == pytest.approx(3.0) and spec.logit_multiplier == pytest.approx(2.0)
+    from dataclasses import replace
+
+    from early_exit_router.architecture import LayerStack
+
+    self_test(LayerStack(model, spec))
+    with pytest.raises(ArchitectureMismatchError, match="logits differ"):
+        self_test(LayerStack(model, replace(spec, logit_multiplier=1.5)))
+    with pytest.raises(ArchitectureMismatchError, match="layer 0's keys/values differ"):
+        self_test(LayerStack(model, replace(spec, embed_multiplier=None)))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_discovery_reproduces_every_spec_file(family):
+    """The spec files pin what discovery finds by itself (mask rules aside where they resolve alike)."""
+    from dataclasses import fields
+
+    model = build(family)
+    found, pinned = discover_spec(model), architecture_table()[model.config.model_type]
+    for f in fields(found):
+        if f.name in ("family", "notes", "model_types"):
+            continue
+        if f.name == "mask_rule" and getattr(model.config, "sliding_window", None) is None:
+            continue  # 'full' and 'sliding_window_config' are the same rule without a window
+        assert getattr(found, f.name) == getattr(pinned, f.name), f.name
