@@ -239,10 +239,35 @@ class LayerStack:
         return logits
 
     def shared_head_tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors every exit head shares with the base model (hashed to match saved heads to their base)."""
-        tensors = {f"lm_head.{k}": v for k, v in self.lm_head.state_dict().items()}
-        tensors.update({f"final_norm.{k}": v for k, v in self.final_norm.state_dict().items()})
+        """The tensors every exit head shares with the base model (hashed to match saved heads to their base);
+        quantized ones dequantized, so that heads trained on the dense model load onto its quantized copy."""
+        tensors = {f"lm_head.{k}": dense(v) for k, v in self.lm_head.state_dict().items()}
+        tensors.update({f"final_norm.{k}": dense(v) for k, v in self.final_norm.state_dict().items()})
         return tensors
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any weight of the model is a quantized tensor (torchao, bitsandbytes, ...)."""
+        return any(is_quantized(p) for p in self.model.parameters())
+
+
+def is_quantized(tensor: torch.Tensor) -> bool:
+    """A weight stored in a quantized tensor type (a torch.Tensor subclass such as torchao's, or bitsandbytes' Params4bit
+    and Int8Params), not a dense float tensor."""
+    return type(tensor) not in (torch.Tensor, nn.Parameter) or not tensor.is_floating_point()
+
+
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a plain dense tensor: quantized weights dequantized (a temporary copy), others unchanged."""
+    if not is_quantized(tensor):
+        return tensor
+    dequantize = getattr(tensor, "dequantize", None)
+    if dequantize is None:
+        raise ValueError(
+            f"A quantized weight of type {type(tensor).__name__} cannot be dequantized; keep the LM head unquantized "
+            "or set draft_vocab_size=0 (no trimmed draft head)."
+        )
+    return dequantize()
 
 
 def _pad_rows(hidden: torch.Tensor, length: int) -> torch.Tensor:

@@ -56,6 +56,11 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
     """Write exit `exit_layer` of `router` as a standalone HF model folder at `out` (model, tokenizer, notes)."""
     if exit_layer not in router.exit_layers:
         raise ValueError(f"Layer {exit_layer} has no exit head; exit layers are {router.exit_layers}.")
+    if router._stack.quantized:
+        raise ValueError(
+            "export-draft writes a dense HF checkpoint and the base model has quantized weights: export from the "
+            "unquantized model (the heads load onto it unchanged), then quantize the draft model if you wish."
+        )
     adapter_kind = router.config.adapter
     if adapter_kind not in FOLDABLE_ADAPTERS:
         raise ValueError(

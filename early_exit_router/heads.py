@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .architecture import dense
+
 DRAFT_RANKING = "draft_ranking"  # state_dict key of ExitHeads' token ranking for the trimmed draft head
 
 
@@ -103,11 +105,13 @@ class DraftHead(nn.Module):
 
     def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor) -> None:
         super().__init__()
+        # dense(): a quantized LM head gives dense rows, so the draft head stays in the compute dtype.
         token_ids = token_ids.to(lm_head.weight.device)
         self.register_buffer("token_ids", token_ids, persistent=False)
-        self.register_buffer("weight", lm_head.weight.detach()[token_ids].clone(), persistent=False)
+        self.register_buffer("weight", dense(lm_head.weight.detach())[token_ids].clone(), persistent=False)
         bias = getattr(lm_head, "bias", None)
-        self.register_buffer("bias", None if bias is None else bias.detach()[token_ids].clone(), persistent=False)
+        rows = None if bias is None else dense(bias.detach())[token_ids].clone()
+        self.register_buffer("bias", rows, persistent=False)
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., K) logits over `token_ids`."""

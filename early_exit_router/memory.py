@@ -50,14 +50,25 @@ class MemoryBudget:
 
 
 def tensor_bytes(tensors: Any) -> int:
-    """Bytes of distinct storages among `tensors` (tied or shared weights count once)."""
+    """Bytes of distinct storages among `tensors` (tied or shared weights count once; a quantized tensor counts
+    the storages it is made of: packed values, scales, zero points)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        for part in _stored_parts(t):
+            storage = part.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _stored_parts(tensor: torch.Tensor | None) -> Any:
+    if tensor is None:
+        return
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()  # a tensor subclass: its inner tensors hold the bytes
+        for name in names:
+            yield from _stored_parts(getattr(tensor, name))
+        return
+    yield tensor
 
 
 def cache_bytes(cache: Any) -> int:
