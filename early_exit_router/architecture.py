@@ -252,8 +252,8 @@ class LayerStack:
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:
-    """A weight stored in a quantized tensor type (a torch.Tensor subclass such as torchao's, or bitsandbytes' Params4bit
-    and Int8Params), not a dense float tensor."""
+    """A weight stored in a quantized tensor type (a torch.Tensor subclass such as torchao's, or bitsandbytes'
+    Params4bit and Int8Params), not a dense float tensor."""
     return type(tensor) not in (torch.Tensor, nn.Parameter) or not tensor.is_floating_point()
 
 
