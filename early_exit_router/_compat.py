@@ -9,7 +9,8 @@
 * Decoder layers return a tensor in 5.x and a tuple in older releases.
 * Sliding-window cache layers keep recorded past states only until the next `crop`: `drop_last_positions` removes
   padding without that trim (it reads the layer's `keys`, `values` and `cumulative_length`).
-* `generate()` keeps its cache under `cache` (model kwargs and output field) in 5.x, `past_key_values` before.
+* `generate()` and forward passes keep their cache under `cache` (model kwargs and output field) in newer 5.x
+  releases, `past_key_values` before; the mask builders take `cache=` or `past_key_values=` likewise.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ MASK_BUILDERS: dict[str, Callable[..., Any]] = {
     "full_attention": masking_utils.create_causal_mask,
     "sliding_attention": masking_utils.create_sliding_window_causal_mask,
 }
+# The mask builders' cache keyword: `cache` in newer 5.x releases, `past_key_values` up to 5.20.
+MASK_CACHE_KWARG = (
+    "cache" if "cache" in inspect.signature(masking_utils.create_causal_mask).parameters else "past_key_values"
+)
 
 
 def build_mask(
@@ -119,9 +124,9 @@ def build_mask(
         config=config,
         inputs_embeds=hidden,
         attention_mask=None,
-        cache=cache,
         position_ids=position_ids,
         layer_idx=layer_idx,
+        **{MASK_CACHE_KWARG: cache},
     )
 
 

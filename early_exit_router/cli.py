@@ -506,7 +506,7 @@ def cmd_survey(args: argparse.Namespace) -> int:
     rows = survey_exits(router, cache, costs, adapter=args.adapter, steps=args.steps, precision=args.precision)
     title = (
         f"{router.name_or_path}: '{args.adapter}' adapters, {args.steps} steps, {len(cache)} positions "
-        f"(last 20% held out), draft vocabulary {router.config.draft_vocab_size}; plain step "
+        f"(20% of the chunks held out), draft vocabulary {router.config.draft_vocab_size}; plain step "
         f"{costs.plain_step():.1f} ms"
     )
     print(format_survey(rows, args.precision, title))

@@ -522,7 +522,7 @@ class EarlyExitRouter:
         )
         logits = tuple(out.logits) if output_logits and out.logits is not None else None
         return GenerationOutput(
-            sequences=out.sequences, stats=stats, logits=logits, cache=out.cache, depths=[full] * new
+            sequences=out.sequences, stats=stats, logits=logits, cache=_compat.forward_cache(out), depths=[full] * new
         )
 
     # ----------------------------------------------------------------------------------------------- save/load

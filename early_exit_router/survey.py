@@ -73,17 +73,25 @@ def survey_exits(
     holdout_share: float = 0.2,
     seed: int = 0,
     max_draft: int = 8,
+    chunk_len: int = 256,
 ) -> list[SurveyRow]:
     """Fit a fresh `adapter` at every layer cached in `cache` and report each layer (see the module docstring).
 
-    The router's own heads are not touched. Held-out positions are the last `holdout_share` of the cache (whole
-    chunks of other text, not positions interleaved with the training ones)."""
+    The router's own heads are not touched. Held-out positions are a seeded `holdout_share` of the cache's chunks
+    (whole chunks, so that no held-out position sits between training positions of the same text)."""
     stack = router._stack
     draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
     ids = draft.token_ids.cpu() if draft is not None else torch.arange(stack.vocab_size)
     weight = stack.lm_head.weight.detach()[ids.to(stack.device)].float()  # (K, hidden): the trimmed head
+    chunk = chunk_len
+    n_chunks = len(cache) // chunk
+    order = torch.randperm(n_chunks, generator=torch.Generator().manual_seed(seed))
+    n_hold = max(1, int(n_chunks * holdout_share))
+    # (N,) positions: training chunks first, held-out chunks last
+    positions = (order.unsqueeze(1) * chunk + torch.arange(chunk)).flatten()
+    cache = cache.select(positions)
     n = len(cache)
-    n_train = int(n * (1 - holdout_share))
+    n_train = n - n_hold * chunk
 
     def unembed(normed: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, K) trimmed logits
         return stack.finish_logits(normed.float() @ weight.T)

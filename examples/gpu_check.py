@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from early_exit_router import EarlyExitRouter
+from early_exit_router import EarlyExitRouter, _compat
 from early_exit_router.memory import measured_bytes, memory_budget  # noqa: E402
 from tests.conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, tiny_llama  # noqa: E402
 
@@ -35,7 +35,7 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 
 def cache_error(model, out) -> float:
     with torch.no_grad():
-        full = model(out.sequences[:, :-1], use_cache=True).cache
+        full = _compat.forward_cache(model(out.sequences[:, :-1], use_cache=True))
     return max(
         max((a.keys - b.keys).abs().max().item(), (a.values - b.values).abs().max().item())
         for a, b in zip(out.cache.layers, full.layers)

@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from early_exit_router import _compat
+
 VOCAB = 96
 
 
@@ -67,7 +69,7 @@ UNVERIFIED_NGRAM = dict(ngram_tier=True, ngram_unverified=True)
 def assert_cache_matches_full_forward(model, sequences: torch.Tensor, cache, atol: float = 1e-5) -> None:
     """Every layer of `cache` holds what one full forward pass over sequences[:, :-1] produces."""
     with torch.no_grad():
-        full = model(sequences[:, :-1], use_cache=True).cache
+        full = _compat.forward_cache(model(sequences[:, :-1], use_cache=True))
     expected_len = sequences.shape[1] - 1
     assert len(cache.layers) == len(full.layers)
     for layer_idx, (mine, ref) in enumerate(zip(cache.layers, full.layers)):

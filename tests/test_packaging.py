@@ -46,3 +46,16 @@ def test_patch_table_is_read_through_the_installed_package():
 
     assert "llama" in supported_model_types()
     assert architecture_table()["llama"].layers == "model.layers"
+
+
+def test_the_oldest_tested_transformers_is_the_declared_floor():
+    """quickstart.sh test-oldest (CI's third step) pins the release pyproject.toml's range starts at."""
+    import re
+    from pathlib import Path
+
+    from early_exit_router._compat import MIN_TRANSFORMERS
+
+    root = Path(__file__).resolve().parent.parent
+    floor = re.search(r'"transformers>=([\d.]+),', (root / "pyproject.toml").read_text()).group(1)
+    pinned = re.search(r'OLDEST_TRANSFORMERS="([\d.]+)"', (root / "quickstart.sh").read_text()).group(1)
+    assert pinned == MIN_TRANSFORMERS and pinned.startswith(floor)
