@@ -248,7 +248,11 @@ class LayerStack:
     @property
     def quantized(self) -> bool:
         """Whether any weight of the model is a quantized tensor (torchao, bitsandbytes, ...)."""
-        return any(is_quantized(p) for p in self.model.parameters())
+        return bool(self.weight_formats() - {"dense"})
+
+    def weight_formats(self) -> set[str]:
+        """The storage types of the model's weights: "dense", or a quantized tensor type's name."""
+        return {type(p).__name__ if is_quantized(p) else "dense" for p in self.model.parameters()}
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:

@@ -475,6 +475,7 @@ def _meta(router: Any, cfg: BenchConfig, prompts: Sequence[dict]) -> dict[str, A
         "machine": machine,
         "device": str(device),
         "dtype": str(stack.dtype).replace("torch.", ""),
+        "weights": sorted(stack.weight_formats()),  # quantized bases: every arm runs the same quantized model
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "num_layers": stack.num_layers,
@@ -497,7 +498,8 @@ def format_markdown(result: BenchResult) -> str:
     meta = result.meta
     lines = [
         f"model: {meta['model']}",
-        f"machine: {meta['machine']}; {meta['dtype']}; torch {meta['torch']}, transformers {meta['transformers']}",
+        f"machine: {meta['machine']}; {meta['dtype']}, weights {'+'.join(meta.get('weights', ['dense']))}; "
+        f"torch {meta['torch']}, transformers {meta['transformers']}",
         f"{meta['prompts']} prompts, {meta['bench_config']['max_new_tokens']} new tokens max, greedy, "
         f"{meta['bench_config']['repeats']} repeat(s); speedup = tokens/s over the control's in the same run; "
         "compute = decode multiply-adds per token over the full model's; exits = share of tokens per shallow "

@@ -42,6 +42,13 @@ def _add_load_options(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="Model dtype (default: float32)."
     )
     parser.add_argument("--device", default=None, help="Device, e.g. cpu or cuda (default: cpu).")
+    parser.add_argument(
+        "--quantize",
+        default=None,
+        choices=["int8", "int4", "bnb-8bit", "bnb-4bit"],
+        help="Load the base quantized: torchao weight-only int8/int4 (any device) or bitsandbytes (CUDA). In bench "
+        "every arm, the plain HF control included, runs the same quantized model.",
+    )
 
 
 def _router_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -297,7 +304,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .router import EarlyExitRouter
 
     router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, **_router_overrides(args)
+        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
     )
     print(router.describe(), file=sys.stderr)
     chat = args.chat and router.tokenizer is not None and bool(getattr(router.tokenizer, "chat_template", None))
@@ -427,7 +434,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .router import EarlyExitRouter
 
     router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, **_router_overrides(args)
+        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
     )
     print(router.describe(), file=sys.stderr)
     cfg = BenchConfig(
@@ -459,7 +466,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .router import EarlyExitRouter
 
     router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, **_router_overrides(args)
+        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
     )
     costs = router.costs(refresh=args.refresh)
     if args.json:
@@ -494,7 +501,7 @@ def cmd_survey(args: argparse.Namespace) -> int:
     from .survey import as_dicts, format_survey, survey_exits
     from .training import build_cache, corpus_sequences
 
-    router = EarlyExitRouter.from_pretrained(args.model, dtype=args.dtype, device=args.device)
+    router = EarlyExitRouter.from_pretrained(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
     stack = router._stack
     layers = args.layers or list(range(stack.num_layers - 1))
     bad = [e for e in layers if not 0 <= e < stack.num_layers - 1]
@@ -523,7 +530,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if args.context < 2:
         raise ValueError(f"--context must be at least 2 positions, got {args.context}.")
     router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, **_router_overrides(args)
+        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
     )
     budget = memory_budget(router, args.context)
     report: dict[str, Any] = budget.to_dict()
@@ -554,7 +561,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
     )
     router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, **_router_overrides(args)
+        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
     )
     print(router.describe(), file=sys.stderr)
     calibration, heldout = split_prompts(load_prompts(args.prompts, shipped=CALIBRATION_PROMPTS))

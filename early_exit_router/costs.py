@@ -148,6 +148,7 @@ def cost_key(stack: Any, draft_vocab_size: int, max_chunk: int) -> dict[str, Any
         "vocab_size": stack.vocab_size,
         "device": f"{device.type}:{name}",
         "dtype": str(stack.dtype).replace("torch.", ""),
+        "weights": sorted(stack.weight_formats()),  # a quantized base has costs of its own
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .quantization import check_quantization, load_kwargs, quantize_loaded
+
 logger = logging.getLogger(__name__)
 
 
@@ -114,13 +116,17 @@ def convert_gguf(gguf_path: Path, hub_name: str | None = None) -> Path:
     return target
 
 
-def load_hf_folder(path: Path, dtype: Any = None, device: str | torch.device | None = None) -> tuple[Any, Any]:
-    """Model (eval mode) and tokenizer (or None) from a local HF folder."""
+def load_hf_folder(
+    path: Path, dtype: Any = None, device: str | torch.device | None = None, quantize: str | None = None
+) -> tuple[Any, Any]:
+    """Model (eval mode, quantized when asked: see `quantization.py`) and tokenizer (or None) from a local HF folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32)
-    if device is not None:
+    extra = load_kwargs(quantize)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32, **extra)
+    if device is not None and "device_map" not in extra:
         model.to(device)
+    quantize_loaded(model, quantize)
     model.eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -130,20 +136,22 @@ def load_hf_folder(path: Path, dtype: Any = None, device: str | torch.device | N
 
 
 def load_base_model(
-    name_or_path: str, dtype: Any = None, device: str | torch.device | None = None
+    name_or_path: str, dtype: Any = None, device: str | torch.device | None = None, quantize: str | None = None
 ) -> tuple[Any, Any, str]:
-    """(model, tokenizer, canonical name) for an alias, a local HF folder or a GGUF file."""
+    """(model, tokenizer, canonical name) for an alias, a local HF folder or a GGUF file; `quantize` is one of
+    `quantization.QUANTIZATIONS` or None."""
+    check_quantization(quantize, device)
     alias = resolve_alias(name_or_path)
     if alias is not None:
         folder = convert_gguf(alias_gguf_path(alias), ALIASES[alias].hub_name)
-        model, tokenizer = load_hf_folder(folder, dtype, device)
+        model, tokenizer = load_hf_folder(folder, dtype, device, quantize)
         return model, tokenizer, alias
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        model, tokenizer = load_hf_folder(convert_gguf(path), dtype, device)
+        model, tokenizer = load_hf_folder(convert_gguf(path), dtype, device, quantize)
         return model, tokenizer, str(path.resolve())
     if path.is_dir() and (path / "config.json").is_file():
-        model, tokenizer = load_hf_folder(path, dtype, device)
+        model, tokenizer = load_hf_folder(path, dtype, device, quantize)
         return model, tokenizer, str(path.resolve())
     if path.exists():
         raise FileNotFoundError(

@@ -129,6 +129,7 @@ class EarlyExitRouter:
         *,
         dtype: torch.dtype | str | None = None,
         device: str | torch.device | None = None,
+        quantize: str | None = None,
         fresh_heads: bool = False,
         **overrides: Any,
     ) -> EarlyExitRouter:
@@ -138,7 +139,9 @@ class EarlyExitRouter:
         model folder, a `.gguf` file, or a folder written by `save_pretrained`. `config` replaces the saved
         config; `overrides` change single fields (thresholds, mode, ...). Changing `exit_layers` or the adapter
         of saved heads is refused, since those heads would not exist. `fresh_heads=True` ignores saved or shipped
-        heads and attaches new, untrained ones (for training).
+        heads and attaches new, untrained ones (for training). `quantize` loads the base quantized: "int8" or
+        "int4" (torchao weight-only, any device) or "bnb-8bit" / "bnb-4bit" (bitsandbytes, CUDA); the heads stay
+        dense.
         """
         dtype = _parse_dtype(dtype)
         source = str(name_or_path)
@@ -150,7 +153,7 @@ class EarlyExitRouter:
             alias = resolve_alias(source)
             shipped = shipped_checkpoint(alias) if alias is not None else None
             saved = load_router(shipped) if shipped is not None else None
-        model, tokenizer, name = load_base_model(source, dtype, device)
+        model, tokenizer, name = load_base_model(source, dtype, device, quantize)
         if saved is None or fresh_heads:
             return cls.from_model(model, tokenizer, config, name_or_path=name, **overrides)
         return cls._from_saved(model, tokenizer, saved, config, name, **overrides)

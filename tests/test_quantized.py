@@ -56,3 +56,26 @@ def test_heads_saved_from_the_dense_model_load_onto_its_quantized_copy(tmp_path)
     router.save_pretrained(tmp_path / "heads")
     loaded = EarlyExitRouter._from_saved(quantized("int8"), None, load_router(tmp_path / "heads"), None, "int8")
     assert loaded.exit_layers == [1, 3]
+
+
+def test_quantization_choices_fail_clearly_before_loading():
+    from early_exit_router.quantization import check_quantization
+
+    with pytest.raises(ValueError, match="choose one of int8, int4"):
+        check_quantization("int3", "cpu")
+    with pytest.raises(ValueError, match="bitsandbytes\\) runs on CUDA only.*'int8' / 'int4'"):
+        check_quantization("bnb-4bit", "cpu")
+    check_quantization("int8", "cpu")  # torchao is installed with the test extra
+    check_quantization(None, "cpu")
+
+
+def test_quantized_loading_keeps_its_own_cost_model_key():
+    from early_exit_router.costs import cost_key
+    from early_exit_router.quantization import quantize_loaded
+
+    dense = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    model = tiny_llama(0)
+    quantize_loaded(model, "int8")
+    small = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
+    assert cost_key(dense._stack, 0, 8)["weights"] == ["dense"]
+    assert cost_key(small._stack, 0, 8)["weights"] != ["dense"]
