@@ -259,8 +259,11 @@ class EarlyExitRouter:
         """The exit adapters and gates, on the model's current device and in its dtype."""
         heads, weight = self._heads, self._stack.lm_head.weight
         first = next(heads.parameters(), None)
-        if first is not None and (first.device != weight.device or first.dtype != weight.dtype):
-            heads.to(device=weight.device, dtype=weight.dtype)  # the user moved or cast the model
+        if first is None:
+            return heads
+        dtype = weight.dtype if weight.dtype.is_floating_point else first.dtype  # an integer-stored quantized head
+        if first.device != weight.device or first.dtype != dtype:
+            heads.to(device=weight.device, dtype=dtype)  # the user moved or cast the model
         return heads
 
     @property
