@@ -1,15 +1,15 @@
-"""Per-architecture knowledge, read from the JSON files in `patches/`, and the layer stack it drives.
+"""Per-architecture knowledge as an `ArchitectureSpec`, and the layer stack it drives.
 
-A patch file says where a model family keeps its parts (`model.layers`, `model.norm`, ...), how positions reach the
-layers, and which attention mask each layer needs. `LayerStack` turns that into the few operations the engine
-needs: embed tokens, run layers `[start, stop)` over a chunk of positions against the shared cache, and apply the
-final norm and LM head. It calls the model's own modules; no HF modeling code is copied.
+A spec says where a model family keeps its parts (`model.layers`, `model.norm`, ...), how positions reach the
+layers, which attention mask each layer needs, and the multipliers its forward applies. `discovery.py` infers it
+from the model (an override in `patches/<family>.json` is read here, where one exists). `LayerStack` turns it into
+the few operations the engine needs: embed tokens, run layers `[start, stop)` over a chunk of positions against the
+shared cache, and apply the final norm and LM head. It calls the model's own modules; no HF modeling code is copied.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import operator
 from dataclasses import dataclass, fields
 from functools import lru_cache
@@ -40,7 +40,6 @@ class ArchitectureSpec:
     position_embed: str | None = None  # learned absolute positions added to the token embeddings (GPT-2)
     position_style: str = "rotary_shared"
     mask_rule: str = "full"
-    embed_scale: str | None = None  # "sqrt_hidden" multiplies embeddings by sqrt(hidden_size) (Gemma)
     embed_multiplier: float | None = None  # measured by discovery: the forward scales embeddings (Granite, Gemma)
     logit_multiplier: float | None = None  # measured by discovery: the forward scales logits (Cohere, Granite)
     final_logit_softcapping_attr: str | None = None
@@ -159,8 +158,6 @@ class LayerStack:
     def embed(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         """(b, q) token ids at positions start..start+q-1 -> (b, q, hidden)."""
         hidden = self.embed_tokens(input_ids)
-        if self.spec.embed_scale == "sqrt_hidden":
-            hidden = hidden * torch.tensor(math.sqrt(self.hidden_size), dtype=hidden.dtype)
         if self.spec.embed_multiplier is not None:
             hidden = hidden * torch.tensor(self.spec.embed_multiplier, dtype=hidden.dtype)
         if self.position_embed is not None:  # learned absolute positions; rotary models add theirs in attention

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 import time
 import warnings
@@ -596,6 +597,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     warnings.simplefilter("default", UserWarning)
+    # transformers imports torchao whenever it is installed (the `quant` extra); on a CPU build its CUDA kernels
+    # fail to load, and torch's pytree warns about its enums. Neither matters to a command line run.
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
         if args.command == "generate":
             return cmd_generate(args)

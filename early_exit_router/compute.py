@@ -11,6 +11,7 @@ share of a layer's matrix products, and they are the same per position for every
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -21,8 +22,17 @@ from .heads import ExitHeads
 
 
 def matrix_macs(module: nn.Module) -> int:
-    """Multiply-adds per position: the number of weights in the module's matrices (biases and norms excluded)."""
-    return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
+    """Multiply-adds per position: the number of weights in the module's matrices (biases and norms excluded),
+    counted by their dense shape for quantized weights."""
+    return sum(_dense_numel(p) for p in module.parameters() if p.dim() >= 2)
+
+
+def _dense_numel(weight: torch.Tensor) -> int:
+    """Weights in a matrix as the model computes with it: torchao's tensor subclasses report their dense shape;
+    bitsandbytes' 4-bit parameters pack two values per byte and keep the dense shape in `quant_state`."""
+    state = getattr(weight, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    return math.prod(shape) if shape is not None else weight.numel()
 
 
 @dataclass

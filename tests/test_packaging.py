@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 import zipfile
@@ -41,11 +42,22 @@ def test_wheel_contains_patches_and_checkpoint_package(tmp_path):
     assert not any(n.startswith(("patches/", "checkpoints/", "tests/")) for n in names)
 
 
-def test_patch_table_is_read_through_the_installed_package():
-    from early_exit_router.architecture import architecture_table, supported_model_types
+def test_no_family_needs_a_spec_file(tmp_path):
+    """Discovery serves every family; the override mechanism still reads a spec file when one is there."""
+    from early_exit_router import architecture
 
-    assert "llama" in supported_model_types()
-    assert architecture_table()["llama"].layers == "model.layers"
+    assert architecture.architecture_table() == {}
+    spec = {"family": "custom", "model_types": ["custom"], "layers": "model.layers", "embed_tokens": "model.e"}
+    spec.update(final_norm="model.norm", lm_head="lm_head")
+    (tmp_path / "custom.json").write_text(json.dumps(spec))
+    original = architecture._patch_files
+    architecture.architecture_table.cache_clear()
+    try:
+        architecture._patch_files = lambda: [(p.name, p.read_text()) for p in tmp_path.glob("*.json")]
+        assert architecture.architecture_table()["custom"].layers == "model.layers"
+    finally:
+        architecture._patch_files = original
+        architecture.architecture_table.cache_clear()
 
 
 def test_the_oldest_tested_transformers_is_the_declared_floor():

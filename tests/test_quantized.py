@@ -79,3 +79,15 @@ def test_quantized_loading_keeps_its_own_cost_model_key():
     small = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
     assert cost_key(dense._stack, 0, 8)["weights"] == ["dense"]
     assert cost_key(small._stack, 0, 8)["weights"] != ["dense"]
+
+
+def test_the_compute_meter_counts_a_quantized_base_like_the_dense_one():
+    from early_exit_router.compute import ComputeMeter
+
+    counts = []
+    for model in (tiny_llama(0), quantized("int4")):
+        router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **NEVER_EXIT)
+        with ComputeMeter(router._stack, router.heads) as meter:
+            router.generate(prompt(0), max_new_tokens=4)
+        counts.append((meter.count.layer_macs, meter.count.head_macs))
+    assert counts[0] == counts[1] and counts[0][0] > 0
