@@ -7,7 +7,9 @@ layer's cache equal to a full forward pass after mixed exits; host-device syncs 
 `torch.cuda.set_sync_debug_mode("warn")` against routing decisions and emitted tokens. Then, on SmolLM2, it measures
 the cost model on the GPU (`early-exit-router profile` prints the same table), and times plain HF generate against
 the default config (verify mode under the cost policy), the fixed cascade and exit mode, printing which plans the
-policy chose. Exit code 0 when every check passes.
+policy chose, and compares the `memory` budget with the allocator's peak. Last, quantized bases (torchao int8,
+bitsandbytes 8/4-bit where installed): verify mode against the same quantized model's greedy. Exit code 0 when every
+check passes.
 """
 
 from __future__ import annotations
@@ -112,6 +114,28 @@ def timing(router: EarlyExitRouter) -> None:
             check(f"smollm2 {name} == plain", torch.equal(out.sequences, arms["plain"][1].sequences))
 
 
+def quantized_bases() -> None:
+    """bitsandbytes 8/4-bit (CUDA only) and torchao int8: verify mode equals the same quantized model's greedy."""
+    import importlib.util
+
+    kinds = ["int8"] if importlib.util.find_spec("torchao") else []
+    kinds += ["bnb-8bit", "bnb-4bit"] if importlib.util.find_spec("bitsandbytes") else []
+    for kind in kinds:
+        try:
+            router = EarlyExitRouter.from_pretrained("smollm2-135m", device="cuda", quantize=kind)
+        except (FileNotFoundError, ImportError) as exc:
+            print(f"skip {kind}: {exc}")
+            continue
+        ids = router.encode("Write a short poem about the sea.", chat=True)
+        with router.disabled():
+            ref = router.generate(ids, max_new_tokens=24)
+        out = router.generate(ids, max_new_tokens=24, mode="verify")
+        check(f"smollm2 {kind} verify == the quantized model's greedy", torch.equal(out.sequences, ref.sequences))
+        budget = memory_budget(router, 4096)
+        peak = measured_bytes(router, 4096)
+        check(f"smollm2 {kind} memory budget", abs(peak / budget.total - 1) <= 0.1, f"{budget.total} vs {peak}")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("No CUDA device: this script checks the GPU path. The CPU path is covered by the test suite.")
@@ -136,6 +160,7 @@ def main() -> int:
         budget = memory_budget(router, 4096)  # the `memory` command's report against the allocator's peak
         peak = measured_bytes(router, 4096)
         check(f"smollm2 {dtype} memory budget", abs(peak / budget.total - 1) <= 0.1, f"{budget.total} vs peak {peak}")
+    quantized_bases()
     print("ALL PASS" if not FAILURES else f"FAILED: {FAILURES}")
     return 0 if not FAILURES else 1
 
