@@ -84,21 +84,10 @@ def architecture_table() -> dict[str, ArchitectureSpec]:
     return table
 
 
-def supported_model_types() -> list[str]:
-    return sorted(architecture_table())
-
-
 def spec_for(model: nn.Module) -> ArchitectureSpec:
-    """The spec for `model`, or a clear error listing the supported model types."""
+    """The override spec for `model`'s model_type (see `architecture_table`), with its module paths checked."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    table = architecture_table()
-    if model_type not in table:
-        raise ValueError(
-            f"Unsupported architecture {model_type!r} ({type(model).__name__}). "
-            f"Supported model_type values: {', '.join(supported_model_types())}. "
-            "Open an issue with the model name to ask for another family."
-        )
-    spec = table[model_type]
+    spec = architecture_table()[model_type]
     for path in (spec.layers, spec.embed_tokens, spec.final_norm, spec.lm_head, spec.rotary_emb):
         if path is not None:
             try:
