@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .architecture import dense
 from .costs import CostModel
 from .heads import exit_normed, make_adapter
 from .policy import DraftPolicy
@@ -82,16 +83,15 @@ def survey_exits(
     stack = router._stack
     draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
     ids = draft.token_ids.cpu() if draft is not None else torch.arange(stack.vocab_size)
-    weight = stack.lm_head.weight.detach()[ids.to(stack.device)].float()  # (K, hidden): the trimmed head
-    chunk = chunk_len
-    n_chunks = len(cache) // chunk
+    weight = dense(stack.lm_head.weight.detach())[ids.to(stack.device)].float()  # (K, hidden): the trimmed head
+    n_chunks = len(cache) // chunk_len
     order = torch.randperm(n_chunks, generator=torch.Generator().manual_seed(seed))
     n_hold = max(1, int(n_chunks * holdout_share))
     # (N,) positions: training chunks first, held-out chunks last
-    positions = (order.unsqueeze(1) * chunk + torch.arange(chunk)).flatten()
+    positions = (order.unsqueeze(1) * chunk_len + torch.arange(chunk_len)).flatten()
     cache = cache.select(positions)
     n = len(cache)
-    n_train = n - n_hold * chunk
+    n_train = n - n_hold * chunk_len
 
     def unembed(normed: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, K) trimmed logits
         return stack.finish_logits(normed.float() @ weight.T)
