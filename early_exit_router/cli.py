@@ -226,7 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     survey.add_argument(
         "--layers", type=_int_list, default=None, metavar="L1,L2", help="Layers to survey (default: every layer)."
     )
-    survey.add_argument("--adapter", default="postnorm", help="Adapter kind to fit (default: %(default)s).")
+    survey.add_argument(
+        "--adapter",
+        default="postnorm",
+        choices=["identity", "linear", "lowrank", "postnorm"],
+        help="Adapter kind to fit (default: %(default)s).",
+    )
     survey.add_argument("--steps", type=int, default=300, help="Optimiser steps per layer (default: %(default)s).")
     survey.add_argument("--max-tokens", type=int, default=40_000, help="Corpus tokens (default: %(default)s).")
     survey.add_argument("--precision", type=float, default=0.95, help="Exit precision target (default: %(default)s).")
