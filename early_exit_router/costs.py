@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-COST_FORMAT_VERSION = 1
+COST_FORMAT_VERSION = 2  # 2: interleaved measurement rounds and a timed real step
 PAD_MIN_GAIN = 0.15  # pad a chunk only when the padded length is measured at least this much cheaper
 
 
@@ -39,6 +39,7 @@ class CostModel:
     num_layers: int
     key: dict[str, Any] = field(default_factory=dict)
     context: int = 0  # cached positions each layer held while measured
+    real_step_ms: float = 0.0  # a timed real plain decoding step (every layer, one position, one head row): a check
 
     @property
     def max_chunk(self) -> int:
@@ -95,7 +96,8 @@ class CostModel:
             f"cost model ({self.key.get('device', '?')}, {self.key.get('dtype', '?')}, {self.num_layers} layers, "
             f"cache of {self.context} positions): plain decoding step {plain:.2f} ms",
             f"draft head (exit adapter + norm + trimmed head, 1 row): {self.draft_head_ms:.3f} ms; "
-            f"learned gate: {self.gate_ms:.3f} ms",
+            f"learned gate: {self.gate_ms:.3f} ms"
+            + (f"; a timed real decoding step: {self.real_step_ms:.2f} ms" if self.real_step_ms else ""),
             "",
             "Measured per chunk length m; 'run as' is the cheapest length >= m, which the engine pads to.",
             "",
@@ -212,12 +214,17 @@ def measure(
     draft_vocab_size: int,
     max_chunk: int = 16,
     context: int = 128,
-    reps: int = 5,
+    reps: int = 3,
+    rounds: int = 3,
     probe_layers: int = 4,
 ) -> CostModel:
     """Time `probe_layers` decoder layers at chunk lengths 1..max_chunk over a cache of `context` positions, the
     full head at 1..max_chunk rows, one draft-head row and one gate call. Layers of one model share their shape,
-    so a few of them give the per-layer cost of all."""
+    so a few of them give the per-layer cost of all.
+
+    The chunk lengths are swept `rounds` times, interleaved, and each entry is the median of its rounds' medians:
+    a transient slowdown (another process, a kernel's first call at a new shape) then spoils one round of a few
+    entries, not the table. A real plain decoding step is timed too, as a check printed beside the table."""
     from ._compat import crop_cache_layer, prepare_for_rollback
     from .heads import draft_logits
 
@@ -231,18 +238,24 @@ def measure(
 
     cache = stack.new_cache()
     prepare_for_rollback(cache)  # sliding-window layers: keep evicted states so the crops below can undo a chunk
-    stack.run(states(context), 0, count, cache, torch.arange(context, device=device).unsqueeze(0))
-    layer_ms, head_ms = [], []
-    for m in range(1, max_chunk + 1):
-        x, positions = states(m), torch.arange(context, context + m, device=device).unsqueeze(0)
+    stack.run(states(context), 0, stack.num_layers, cache, torch.arange(context, device=device).unsqueeze(0))
+    layer_rounds: list[list[float]] = [[] for _ in range(max_chunk)]
+    head_rounds: list[list[float]] = [[] for _ in range(max_chunk)]
+    for _ in range(rounds):
+        for m in range(1, max_chunk + 1):
+            x, positions = states(m), torch.arange(context, context + m, device=device).unsqueeze(0)
 
-        def chunk(x: torch.Tensor = x, positions: torch.Tensor = positions) -> None:
-            stack.run(x, 0, count, cache, positions)
-            for layer_idx in range(count):
-                crop_cache_layer(cache, layer_idx, context)
+            def chunk(x: torch.Tensor = x, positions: torch.Tensor = positions, stop: int = count) -> None:
+                stack.run(x, 0, stop, cache, positions)
+                for layer_idx in range(stop):
+                    crop_cache_layer(cache, layer_idx, context)
 
-        layer_ms.append(timed(chunk) / count)
-        head_ms.append(timed(lambda x=x: stack.logits(x)))
+            layer_rounds[m - 1].append(timed(chunk) / count)
+            head_rounds[m - 1].append(timed(lambda x=x: stack.logits(x)))
+    layer_ms = [statistics.median(r) for r in layer_rounds]
+    head_ms = [statistics.median(r) for r in head_rounds]
+    x, positions = states(1), torch.arange(context, context + 1, device=device).unsqueeze(0)
+    real_step_ms = timed(lambda: (chunk(x, positions, stack.num_layers), stack.logits(x)))
     row = states(1)[:, 0]
     exit_layer = heads.exit_layers[0] if heads.exit_layers else None
     adapter = heads.adapter(exit_layer) if exit_layer is not None else None
@@ -250,9 +263,8 @@ def measure(
     draft_ms = timed(lambda: draft_logits(stack, adapter, draft, row)) if exit_layer is not None else 0.0
     gate = heads.gate(exit_layer) if exit_layer is not None else None
     gate_ms = timed(lambda: gate(row)) if gate is not None else 0.0
-    return CostModel(
-        layer_ms, head_ms, draft_ms, gate_ms, stack.num_layers, cost_key(stack, draft_vocab_size, max_chunk), context
-    )
+    key = cost_key(stack, draft_vocab_size, max_chunk)
+    return CostModel(layer_ms, head_ms, draft_ms, gate_ms, stack.num_layers, key, context, real_step_ms)
 
 
 def cost_model_for(stack: Any, heads: Any, draft_vocab_size: int, max_chunk: int, refresh: bool = False) -> CostModel:

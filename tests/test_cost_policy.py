@@ -33,7 +33,7 @@ def test_the_cost_model_is_measured_once_cached_and_invalidated_by_its_key(tmp_p
     stack, heads = router._stack, router.heads
     first = cost_model_for(stack, heads, 32, max_chunk=4)
     assert len(first.layer_ms) == 4 and len(first.head_ms) == 4 and all(t > 0 for t in first.layer_ms)
-    assert first.draft_head_ms > 0 and first.num_layers == 6
+    assert first.draft_head_ms > 0 and first.num_layers == 6 and first.real_step_ms > 0
     assert len(list((tmp_path / "costs").glob("*.json"))) == 1
 
     def no_measuring(*args, **kwargs):
@@ -46,6 +46,19 @@ def test_the_cost_model_is_measured_once_cached_and_invalidated_by_its_key(tmp_p
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
     with pytest.raises(AssertionError, match="measured again"):
         cost_model_for(stack, heads, 32, max_chunk=4)  # another thread count: another key
+
+
+def test_a_table_from_an_older_measuring_method_is_measured_again(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    model = cost_model_for(router._stack, router.heads, 0, max_chunk=2)
+    (path,) = (tmp_path / "costs").glob("*.json")
+    old = json.loads(path.read_text())
+    old["format_version"] = 1  # a single sweep per chunk length, no real-step check
+    path.write_text(json.dumps(old))
+    assert costs.load_cached(model.key) is None
 
 
 def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch):
