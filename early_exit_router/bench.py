@@ -274,6 +274,8 @@ def run_bench(
     if cfg.repeats < 1 or cfg.max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {cfg.repeats} and {cfg.max_new_tokens}.")
     arms = build_arms(router, cfg)
+    if router.config.policy == "cost":
+        router.costs()  # measured (or loaded) before any arm runs, so that no arm's time or compute includes it
     runner = _Runner(router, cfg.max_new_tokens)
     encoded = [_encode(router, p) for p in prompts]
     records: list[RunRecord] = []
