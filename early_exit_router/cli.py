@@ -503,8 +503,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_survey(args: argparse.Namespace) -> int:
+    from .head_report import as_dicts
     from .router import EarlyExitRouter
-    from .survey import as_dicts, format_survey, survey_exits
+    from .survey import format_survey, survey_exits
     from .training import build_cache, corpus_sequences
 
     router = EarlyExitRouter.from_pretrained(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)

@@ -239,23 +239,28 @@ def measure(
     cache = stack.new_cache()
     prepare_for_rollback(cache)  # sliding-window layers: keep evicted states so the crops below can undo a chunk
     stack.run(states(context), 0, stack.num_layers, cache, torch.arange(context, device=device).unsqueeze(0))
+
+    def chunk(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """m new positions after the cached ones: (1, m, hidden) states and (1, m) positions."""
+        return states(m), torch.arange(context, context + m, device=device).unsqueeze(0)
+
+    def run_and_undo(x: torch.Tensor, positions: torch.Tensor, stop: int) -> None:
+        """Layers [0, stop) over the chunk, then crop it off again, so every call sees the same cache."""
+        stack.run(x, 0, stop, cache, positions)
+        for layer_idx in range(stop):
+            crop_cache_layer(cache, layer_idx, context)
+
     layer_rounds: list[list[float]] = [[] for _ in range(max_chunk)]
     head_rounds: list[list[float]] = [[] for _ in range(max_chunk)]
     for _ in range(rounds):
         for m in range(1, max_chunk + 1):
-            x, positions = states(m), torch.arange(context, context + m, device=device).unsqueeze(0)
-
-            def chunk(x: torch.Tensor = x, positions: torch.Tensor = positions, stop: int = count) -> None:
-                stack.run(x, 0, stop, cache, positions)
-                for layer_idx in range(stop):
-                    crop_cache_layer(cache, layer_idx, context)
-
-            layer_rounds[m - 1].append(timed(chunk) / count)
+            x, positions = chunk(m)
+            layer_rounds[m - 1].append(timed(lambda x=x, p=positions: run_and_undo(x, p, count)) / count)
             head_rounds[m - 1].append(timed(lambda x=x: stack.logits(x)))
     layer_ms = [statistics.median(r) for r in layer_rounds]
     head_ms = [statistics.median(r) for r in head_rounds]
-    x, positions = states(1), torch.arange(context, context + 1, device=device).unsqueeze(0)
-    real_step_ms = timed(lambda: (chunk(x, positions, stack.num_layers), stack.logits(x)))
+    x, positions = chunk(1)
+    real_step_ms = timed(lambda: (run_and_undo(x, positions, stack.num_layers), stack.logits(x)))
     row = states(1)[:, 0]
     exit_layer = heads.exit_layers[0] if heads.exit_layers else None
     adapter = heads.adapter(exit_layer) if exit_layer is not None else None

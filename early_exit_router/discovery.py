@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from . import _compat
-from .architecture import ArchitectureSpec, LayerStack
+from .architecture import ArchitectureSpec, LayerStack, architecture_table, spec_for
 
 PROBE_LEN = 7
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9}  # relative to the largest magnitude; others: 3e-2
@@ -228,8 +228,6 @@ def self_test(stack: LayerStack) -> None:
 
 def stack_for(model: nn.Module) -> LayerStack:
     """The checked layer stack of `model`: its spec file or, without one, discovery; then the self-test."""
-    from .architecture import architecture_table, spec_for
-
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     name = type(model).__name__
     try:

@@ -8,6 +8,7 @@ head over all positions, the share of positions the cascade lets exit there, and
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -141,5 +142,6 @@ def format_table(title: str, rows: list[ExitQuality]) -> str:
     return "\n".join(lines)
 
 
-def as_dicts(rows: list[ExitQuality]) -> list[dict]:
+def as_dicts(rows: list[Any]) -> list[dict[str, Any]]:
+    """Report rows (dataclasses: ExitQuality, SurveyRow) as plain dicts for JSON."""
     return [asdict(r) for r in rows]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -167,7 +167,3 @@ def format_survey(rows: list[SurveyRow], precision: float, title: str) -> str:
             f"| {r.break_even:.2f} | {r.speedup:.2f}x |"
         )
     return "\n".join(lines)
-
-
-def as_dicts(rows: list[SurveyRow]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in rows]
