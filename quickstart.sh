@@ -37,7 +37,7 @@ setup() {
 command="${1:-help}"
 shift || true
 case "$command" in
-    generate|bench|calibrate|profile|export-draft|train-heads|eval-heads|survey|memory)
+    generate|bench|calibrate|profile|export-draft|train-heads|eval-heads|survey|memory|serve)
         setup
         exec "$VENV/bin/early-exit-router" "$command" "$@"
         ;;

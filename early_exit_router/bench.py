@@ -194,12 +194,8 @@ class _Runner:
             # Every run starts with an empty n-gram store: the same prompt from another arm would otherwise be
             # copied whole. The bench measures one request at a time; the store pays off across requests.
             router._ngram_store = None
-            configured = router.config
-            router.config = configured.replace(**arm.overrides)
-            try:
-                out = router.generate(ids, self.max_new_tokens, mode=arm.mode, streamer=streamer)
-            finally:
-                router.config = configured
+            config = router.config.replace(**arm.overrides)  # per call: router.config is never swapped
+            out = router.generate(ids, self.max_new_tokens, mode=arm.mode, config=config, streamer=streamer)
             new_ids, stats = out.sequences[0, n:].tolist(), out.stats.to_dict()
         else:
             with router.disabled() as model, torch.no_grad():

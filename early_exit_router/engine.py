@@ -103,6 +103,23 @@ class SequenceState:
         return len(self.tokens) - 1 - self.deep_len
 
 
+@dataclass
+class Decoding:
+    """One decode in flight: `Engine.start` makes it, `Engine.advance` steps it, `Engine.finish` closes it."""
+
+    state: SequenceState
+    request: DecodeRequest
+    selector: TokenSelector
+    started: float  # perf_counter at the start of the prefill
+    prefill_s: float
+    done: bool = False
+
+    @property
+    def new_tokens(self) -> list[int]:
+        """The tokens generated so far (drafts that await verification included)."""
+        return self.state.tokens[self.state.prompt_len :]
+
+
 class Engine:
     """Runs generation for one wrapped model with its exit heads and router."""
 
@@ -140,27 +157,50 @@ class Engine:
         self, input_ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector
     ) -> tuple[torch.Tensor, GenerationStats, list[torch.Tensor], Any, list[int]]:
         """Returns sequences, stats, per-token logits (when requested), the cache and each new token's depth."""
-        start = time.perf_counter()
+        decoding = self.start(input_ids, request, selector)
+        while not self.advance(decoding):
+            pass
+        return self.finish(decoding)
+
+    @torch.no_grad()
+    def start(self, input_ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> Decoding:
+        """Prefill one sequence: the first step of a decode that `advance` continues and `finish` closes.
+
+        Split in three so that a scheduler can interleave several decodes between steps (the server does)."""
+        started = time.perf_counter()
         state = self._prefill(input_ids, request, selector)
-        prefill_s = time.perf_counter() - start
-        while True:
-            if self._should_stop(state, request):
-                if state.pending == 0:
-                    break
-                rejected = self._flush(state, request, selector)
-                if not rejected:
-                    break
-                continue
+        return Decoding(state, request, selector, started, time.perf_counter() - started)
+
+    @torch.no_grad()
+    def advance(self, decoding: Decoding) -> bool:
+        """One decode step (or the final flush of waiting drafts); True once the sequence is complete."""
+        state, request, selector = decoding.state, decoding.request, decoding.selector
+        if decoding.done:
+            return True
+        if self._should_stop(state, request):
+            if state.pending == 0 or not self._flush(state, request, selector):
+                decoding.done = True
+        else:
             self._step(state, request, selector)
+        return decoding.done
+
+    @torch.no_grad()
+    def finish(self, decoding: Decoding) -> tuple[torch.Tensor, GenerationStats, list[torch.Tensor], Any, list[int]]:
+        """Close a complete decode: stream the rest, trim the cache, feed the n-gram store, and return
+        `generate`'s tuple."""
+        state, request = decoding.state, decoding.request
+        if not decoding.done:
+            raise RuntimeError("finish() called before advance() reported the decode complete.")
         self._stream(state, request, len(state.tokens))
         if request.streamer is not None:
             request.streamer.end()
         _compat.trim_sliding(state.cache)  # no rollback can follow: sliding layers keep only their window
         if self.store is not None:
             self.store.add(state.tokens)
-        wall = time.perf_counter() - start
+        wall = time.perf_counter() - decoding.started
         sequences = state.seq[:, : len(state.tokens)].clone()
-        return sequences, self._stats(state, request, wall, prefill_s), state.logits, state.cache, state.depth
+        stats = self._stats(state, request, wall, decoding.prefill_s)
+        return sequences, stats, state.logits, state.cache, state.depth
 
     # --------------------------------------------------------------------------------------------------- prefill
     def _prefill(self, input_ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> SequenceState:

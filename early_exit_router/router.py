@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,10 @@ class EarlyExitRouter:
         self.cost_model: CostModel | None = None
         self._measured: CostModel | None = None
         self._ngram_store: SuffixStore | None = None
+        # One decode step at a time per router: the n-gram store, the measured costs and `last_stats` are shared
+        # by every call, so two threads calling `generate` are served one after the other, never interleaved
+        # inside a step. Re-entrant, so a streamer may itself call `generate`.
+        self.lock = threading.RLock()
 
     # -------------------------------------------------------------------------------------------- construction
     @classmethod
@@ -320,6 +325,7 @@ class EarlyExitRouter:
         max_new_tokens: int = 128,
         mode: str | None = None,
         *,
+        config: RouterConfig | Mapping[str, Any] | None = None,
         do_sample: bool = False,
         temperature: float = 1.0,
         top_k: int | None = None,
@@ -335,32 +341,22 @@ class EarlyExitRouter:
     ) -> GenerationOutput:
         """Generate with early exit. Arguments follow HF `generate`; `mode` is 'exit' or 'verify'.
 
-        `input_ids` is a LongTensor (1, n), or a string when a tokenizer is attached. `eos_token_id` defaults to
-        the model's generation config. `seed` makes sampling reproducible. Inside `disabled()`, this runs plain
-        HF generation (same arguments) and reports every token at full depth.
+        `input_ids` is a LongTensor (1, n), or a string when a tokenizer is attached. `config` sets this call's
+        routing without touching `router.config`: a `RouterConfig`, or a mapping of fields to change (e.g.
+        `{"high_conf_threshold": 0.8}`). `eos_token_id` defaults to the model's generation config. `seed` makes
+        sampling reproducible. Inside `disabled()`, this runs plain HF generation (same arguments) and reports every
+        token at full depth. Calls from several threads are served one after another.
         """
         if self._state == "unpatched":
             raise RuntimeError("This router was unpatched: build a new one with EarlyExitRouter.from_model(model).")
-        if self.config.exit_layers != self.heads.exit_layers:
-            raise ValueError(
-                f"config.exit_layers {self.config.exit_layers} differ from the loaded heads' {self.heads.exit_layers}: "
-                "change thresholds with config.replace(...), or build a router with new heads for other layers."
-            )
-        mode = mode or self.config.mode
+        cfg = self.call_config(config)
+        mode = mode or cfg.mode
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}: use one of {', '.join(MODES)}.")
         if isinstance(input_ids, str):
             input_ids = self.encode(input_ids)
         input_ids = self._check_input_ids(input_ids, attention_mask)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
-        context = getattr(self._model.config, "max_position_embeddings", None)
-        if context and input_ids.shape[1] + max_new_tokens > context:
-            raise ValueError(
-                f"The prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
-                f"context of {context} positions (config.max_position_embeddings): shorten the prompt or lower "
-                "max_new_tokens."
-            )
+        self.check_length(input_ids.shape[1], max_new_tokens)
         params = SamplingParams(do_sample, temperature, top_k, top_p, seed)
         stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings or ())
         if stop_strings and self.tokenizer is None:
@@ -390,7 +386,7 @@ class EarlyExitRouter:
             output_logits=output_logits,
         )
         selector = TokenSelector(params, self._stack.device, logits_processor)
-        sequences, stats, logits, cache, depths = self._run_engine(input_ids, request, selector)
+        sequences, stats, logits, cache, depths = self._run_engine(input_ids, request, selector, cfg)
         return GenerationOutput(
             sequences=sequences,
             stats=stats,
@@ -399,26 +395,76 @@ class EarlyExitRouter:
             depths=list(depths),
         )
 
-    def _run_engine(self, input_ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> tuple:
-        """One decode with the current config: `Engine.generate`'s (sequences, stats, logits, cache, depths)."""
-        config = self.config
-        costs = self.costs() if config.policy == "cost" else None
-        router = Router(config, self._stack.vocab_size)
-        engine = Engine(self._stack, self.heads, router, config, costs, self.ngram_store())
-        return engine.generate(input_ids, request, selector)
+    def call_config(self, config: RouterConfig | Mapping[str, Any] | None = None) -> RouterConfig:
+        """The routing config of one call: the router's, another `RouterConfig`, or the router's with the fields in
+        a mapping changed. Checked against the loaded heads."""
+        if config is None:
+            cfg = self.config
+        elif isinstance(config, RouterConfig):
+            cfg = config
+        elif isinstance(config, Mapping):
+            cfg = self.config.replace(**config)
+        else:
+            raise TypeError(f"config must be a RouterConfig or a mapping of its fields, got {type(config).__name__}.")
+        if cfg.exit_layers != self.heads.exit_layers:
+            raise ValueError(
+                f"config.exit_layers {cfg.exit_layers} differ from the loaded heads' {self.heads.exit_layers}: "
+                "change thresholds with config.replace(...), or build a router with new heads for other layers."
+            )
+        return cfg
 
-    def costs(self, refresh: bool = False) -> CostModel:
-        """The cost model the policy decides from: `cost_model` when assigned, else measured on this device.
+    def check_length(self, prompt_len: int, max_new_tokens: Any) -> None:
+        """Refuse a max_new_tokens that is not a positive integer, or a prompt that leaves it no room."""
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+        context = self.context_length
+        if context and prompt_len + max_new_tokens > context:
+            raise ValueError(
+                f"The prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
+                f"context of {context} positions (config.max_position_embeddings): shorten the prompt or lower "
+                "max_new_tokens."
+            )
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context (config.max_position_embeddings), or None when it declares none."""
+        return getattr(self._model.config, "max_position_embeddings", None)
+
+    def engine(self, config: RouterConfig | None = None) -> Engine:
+        """A decode engine for one call under `config` (default: the router's). `generate` uses one per call; a
+        scheduler interleaving several decodes (the server) uses `start` / `advance` / `finish` on it, holding
+        `router.lock` around each."""
+        config = config or self.config
+        costs = self.costs(config=config) if config.policy == "cost" else None
+        router = Router(config, self._stack.vocab_size)
+        return Engine(self._stack, self.heads, router, config, costs, self.ngram_store())
+
+    def _run_engine(
+        self,
+        input_ids: torch.Tensor,
+        request: DecodeRequest,
+        selector: TokenSelector,
+        config: RouterConfig | None = None,
+    ) -> tuple:
+        """One decode under `config` (default: the router's): `Engine.generate`'s (sequences, stats, logits, cache,
+        depths)."""
+        with self.lock:
+            return self.engine(config).generate(input_ids, request, selector)
+
+    def costs(self, refresh: bool = False, config: RouterConfig | None = None) -> CostModel:
+        """The cost model the policy decides from: `cost_model` when assigned, else measured on this device for
+        `config`'s draft vocabulary and chunk lengths (default: the router's config).
 
         Measuring takes a few seconds once per model shape, device, dtype and library versions; the result is
         cached on disk (see `costs.py`). `refresh=True` measures again."""
         if self.cost_model is not None and not refresh:
             return self.cost_model
-        max_chunk = max(16, self.config.max_pending + 1)
-        key = cost_key(self._stack, self.config.draft_vocab_size, max_chunk)
+        config = config or self.config
+        max_chunk = max(16, config.max_pending + 1)
+        key = cost_key(self._stack, config.draft_vocab_size, max_chunk)
         if refresh or self._measured is None or self._measured.key != key:  # in memory: no disk read per call
             self._measured = cost_model_for(
-                self._stack, self.heads, self.config.draft_vocab_size, max_chunk, refresh=refresh
+                self._stack, self.heads, config.draft_vocab_size, max_chunk, refresh=refresh
             )
         return self._measured
 

@@ -1,0 +1,360 @@
+"""`early-exit-router serve`: an OpenAI-compatible HTTP server over one router (FastAPI + uvicorn).
+
+Endpoints: `/v1/completions` and `/v1/chat/completions` (with SSE streaming), `/v1/models`, `/health`, and
+`/metrics` in the Prometheus text format. Requests go through `Scheduler` (a bounded queue and one worker thread);
+a full queue answers 503 with `Retry-After`. A client that disconnects cancels its request. Every error is an
+OpenAI-style body with a 4xx or 5xx status, and the server keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..sampling import SamplingParams
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .scheduler import Job, JobResult, QueueFull, Scheduler
+
+
+@dataclass
+class ServerSettings:
+    """What `serve` is started with."""
+
+    model_name: str
+    api_key: str | None = None  # when set, every /v1 request needs `Authorization: Bearer <key>`
+    max_queue: int = 64
+    max_running: int = 8
+    default_max_tokens: int = 256  # chat requests without max_tokens
+    retry_after_s: int = 1
+
+
+class ApiError(Exception):
+    """A request the server refuses: becomes an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+def create_app(router: Any, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app serving `router`. Its scheduler starts with the app and stops with it."""
+    if router.tokenizer is None:
+        raise ValueError("The server needs a tokenizer: build the router with one.")
+    scheduler = Scheduler(router, settings.max_queue, settings.max_running)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            scheduler.shutdown()
+
+    app = FastAPI(title="early-exit-router", version=_version(), lifespan=lifespan)
+    app.state.scheduler = scheduler
+    registry = _registry(scheduler)
+    started = time.time()
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+        headers = {"Retry-After": str(settings.retry_after_s)} if error.status in (429, 503) else None
+        body = error_body(error.message, error.kind, error.param, error.code)
+        return JSONResponse(body, status_code=error.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "The request body is not valid JSON."
+        return JSONResponse(error_body(message, param=where), status_code=400)
+
+    def check_auth(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+            raise ApiError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.", "authentication_error")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": settings.model_name, "queue_depth": scheduler.queue_depth}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        check_auth(request)
+        card = {"id": settings.model_name, "object": "model", "created": int(started), "owned_by": "early-exit-router"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_auth(request)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            ids = torch.tensor([prompt], dtype=torch.long)
+        elif isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ApiError(
+                    400, "Send one prompt per request (batches of prompts are not supported).", param="prompt"
+                )
+            ids = router.tokenizer(prompt[0], return_tensors="pt").input_ids
+        else:
+            ids = router.tokenizer(prompt, return_tensors="pt").input_ids
+        job = _job(router, settings, body, ids, body.max_tokens)
+        return await _respond(request, scheduler, settings, job, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        check_auth(request)
+        if not getattr(router.tokenizer, "chat_template", None):
+            raise ApiError(400, "This model's tokenizer has no chat template: use /v1/completions.")
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
+        encoded = router.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+        ids = encoded if torch.is_tensor(encoded) else encoded["input_ids"]
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        job = _job(router, settings, body, ids, max_tokens)
+        return await _respond(request, scheduler, settings, job, body, chat=True)
+
+    return app
+
+
+def _job(router: Any, settings: ServerSettings, body: Any, ids: torch.Tensor, max_tokens: int | None) -> Job:
+    """Validate a request against the model and build its job."""
+    if body.model != settings.model_name:
+        raise ApiError(
+            404,
+            f"The model {body.model!r} does not exist: this server serves {settings.model_name!r}.",
+            param="model",
+            code="model_not_found",
+        )
+    unsupported = body.unsupported()
+    if unsupported:
+        raise ApiError(400, f"Not supported by this server: {', '.join(unsupported)}.", param=unsupported[0])
+    if ids.numel() == 0:
+        raise ApiError(400, "The prompt is empty.", param="prompt")
+    if int(ids.max()) >= router._stack.vocab_size or int(ids.min()) < 0:
+        raise ApiError(400, f"Token ids must lie in [0, {router._stack.vocab_size}).", param="prompt")
+    context = router.context_length
+    if max_tokens is None:
+        max_tokens = settings.default_max_tokens
+        if context:
+            max_tokens = min(max_tokens, context - ids.shape[1])
+    if context and ids.shape[1] + max_tokens > context:
+        raise ApiError(
+            400,
+            f"This model's context is {context} tokens; the prompt has {ids.shape[1]} and max_tokens asks for "
+            f"{max_tokens}: shorten the prompt or lower max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    options = body.early_exit
+    try:
+        config = router.call_config(options.overrides() if options else None)
+    except (ValueError, TypeError) as error:
+        raise ApiError(400, str(error), param="early_exit") from None
+    mode = (options.mode if options else None) or config.mode
+    greedy = body.temperature == 0.0
+    params = SamplingParams(
+        do_sample=not greedy,
+        temperature=1.0 if greedy else body.temperature,
+        top_p=None if body.top_p >= 1.0 else body.top_p,
+        seed=body.seed,
+    )
+    ids = ids.to(router._stack.device)
+    return Job(ids, max_tokens, mode, config, params, body.stop_strings())
+
+
+async def _respond(
+    request: Request, scheduler: Scheduler, settings: ServerSettings, job: Job, body: Any, chat: bool
+) -> Any:
+    job.loop = asyncio.get_running_loop()
+    job.events = asyncio.Queue()
+    try:
+        scheduler.submit(job)
+    except QueueFull as full:
+        raise ApiError(503, f"The server is busy ({full}); retry shortly.", "server_error", code="overloaded") from None
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(_stream(request, job, settings, chat, include_usage))
+    result = await _wait(request, job)
+    if result is None:  # the client went away; nobody reads this
+        return JSONResponse(error_body("cancelled"), status_code=499)
+    return _final_body(job, settings, result, chat)
+
+
+async def _wait(request: Request, job: Job) -> JobResult | None:
+    """Wait for the job's result; cancel it when the client disconnects meanwhile."""
+    assert job.events is not None
+    while True:
+        try:
+            kind, value = await asyncio.wait_for(job.events.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+                return None
+            continue
+        if kind == "done":
+            return value
+        if kind == "error":
+            raise ApiError(500, f"Generation failed: {value}", "server_error")
+
+
+async def _stream(
+    request: Request, job: Job, settings: ServerSettings, chat: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The SSE events of one streamed request; closing the stream early (a disconnect) cancels the job."""
+    assert job.events is not None
+    kind_name = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": _response_id(job, chat), "object": kind_name, "created": int(job.created)}
+    head["model"] = settings.model_name
+    try:
+        if chat:
+            yield _event({**head, "choices": [_chat_delta({"role": "assistant", "content": ""}, None)]})
+        while True:
+            kind, value = await job.events.get()
+            if kind == "text":
+                choice = _chat_delta({"content": value}, None) if chat else _text_choice(value, None)
+                yield _event({**head, "choices": [choice]})
+            elif kind == "error":
+                yield _event(error_body(f"Generation failed: {value}", "server_error"))
+                break
+            else:
+                result: JobResult = value
+                choice = _chat_delta({}, result.finish_reason) if chat else _text_choice("", result.finish_reason)
+                yield _event({**head, "choices": [choice], "early_exit": _routing(result)})
+                if include_usage:
+                    yield _event({**head, "choices": [], "usage": _usage(result)})
+                break
+        yield format_sse_event(data_str="[DONE]")
+    finally:
+        job.cancel()  # no-op once finished; stops the decode when the client went away mid-stream
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    """One SSE `data:` event carrying JSON (encoded by FastAPI's SSE formatter)."""
+    return format_sse_event(data_str=json.dumps(data))
+
+
+def _final_body(job: Job, settings: ServerSettings, result: JobResult, chat: bool) -> dict[str, Any]:
+    if chat:
+        message = {"role": "assistant", "content": result.text}
+        choice = {"index": 0, "message": message, "finish_reason": result.finish_reason, "logprobs": None}
+    else:
+        choice = _text_choice(result.text, result.finish_reason)
+    return {
+        "id": _response_id(job, chat),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(job.created),
+        "model": settings.model_name,
+        "choices": [choice],
+        "usage": _usage(result),
+        "early_exit": _routing(result),
+    }
+
+
+def _response_id(job: Job, chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{job.id}"
+
+
+def _text_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+
+def _chat_delta(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+
+def _usage(result: JobResult) -> dict[str, int]:
+    completion = len(result.token_ids)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": result.prompt_tokens + completion,
+    }
+
+
+def _routing(result: JobResult) -> dict[str, Any]:
+    """The extension block every response carries: how the request was routed."""
+    s = result.stats
+    return {
+        "mode": s.mode,
+        "hit_rate": round(s.hit_rate, 4),
+        "agreement": None if s.agreement is None else round(s.agreement, 4),
+        "plain_share": round(s.plain_share, 4),
+        "exit_histogram": {str(k): v for k, v in s.exit_histogram.items()},
+        "tokens_per_s": round(s.tokens_per_s, 2),
+    }
+
+
+def _registry(scheduler: Scheduler) -> CollectorRegistry:
+    """A Prometheus registry of this app's own (never the process-global one: tests start several apps)."""
+    registry = CollectorRegistry()
+    Gauge("eer_queue_depth", "Requests waiting for the worker", registry=registry).set_function(
+        lambda: scheduler.queue_depth
+    )
+    Gauge("eer_running_requests", "Requests being decoded", registry=registry).set_function(lambda: scheduler.running)
+    registry.register(_StatsCollector(scheduler))
+    return registry
+
+
+class _StatsCollector:
+    """Exposes the scheduler's counters at scrape time."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self):
+        s = self.scheduler.stats
+        requests = CounterMetricFamily("eer_requests", "Requests by outcome", labels=["outcome"])
+        for outcome, value in (
+            ("finished", s.requests_finished),
+            ("cancelled", s.requests_cancelled),
+            ("failed", s.requests_failed),
+            ("rejected", s.requests_rejected),
+        ):
+            requests.add_metric([outcome], value)
+        yield requests
+        yield CounterMetricFamily("eer_generated_tokens", "Tokens generated", value=s.tokens_generated)
+        yield GaugeMetricFamily(
+            "eer_tokens_per_second", "Generated tokens/s over the last minute", value=s.tokens_per_s()
+        )
+        tokens = s.tokens_generated
+        yield GaugeMetricFamily(
+            "eer_hit_rate",
+            "Share of tokens that left at a shallow exit or the n-gram tier",
+            value=s.exited_tokens / tokens if tokens else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "eer_agreement",
+            "Share of checked early tokens the full model agreed with",
+            value=s.agreed_tokens / s.checked_tokens if s.checked_tokens else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "eer_plain_share",
+            "Share of tokens decoded plainly (the policy's fallback)",
+            value=s.plain_steps / tokens if tokens else 0.0,
+        )
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

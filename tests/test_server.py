@@ -1,0 +1,254 @@
+"""The OpenAI-compatible server, on the default model, started with uvicorn on loopback and exercised with the
+official `openai` client and with raw HTTP (urllib)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from early_exit_router import EarlyExitRouter  # noqa: E402
+from early_exit_router.server.app import ServerSettings, create_app  # noqa: E402
+from early_exit_router.server.scheduler import TextTracker  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return EarlyExitRouter.from_pretrained(MODEL)
+
+
+@contextmanager
+def running_server(router, **settings):
+    """A uvicorn server on a free loopback port, in a thread; yields its base URL."""
+    app = create_app(router, ServerSettings(model_name=MODEL, **settings))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(smol):
+    with running_server(smol) as (url, app):
+        yield url, app
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def post(url: str, path: str, body, headers: dict | None = None) -> tuple[int, dict, Any]:
+    """Raw HTTP POST: (status, JSON body, headers)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read()), response.headers
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), error.headers
+
+
+def get(url: str, path: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url + path, timeout=30) as response:
+        return response.status, response.read().decode()
+
+
+def alone(router, prompt: str, max_tokens: int, chat: bool = False) -> str:
+    """The same greedy verify-mode request run directly, alone."""
+    ids = router.encode(prompt, chat=chat)
+    out = router.generate(ids, max_tokens, mode="verify")
+    return router.tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_models_health_and_metrics(server):
+    url, _ = server
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    status, text = get(url, "/health")
+    assert status == 200 and json.loads(text)["status"] == "ok"
+    status, text = get(url, "/metrics")
+    assert status == 200
+    for name in ("eer_queue_depth", "eer_requests_total", "eer_tokens_per_second", "eer_hit_rate", "eer_plain_share"):
+        assert name in text
+
+
+def test_completion_equals_the_same_request_run_alone(server, smol):
+    url, _ = server
+    prompt = "The days of the week are Monday, Tuesday,"
+    response = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert response.choices[0].text == alone(smol, prompt, 24)
+    assert response.usage.completion_tokens == 24 and response.choices[0].finish_reason == "length"
+    assert response.model_extra["early_exit"]["mode"] == "verify"
+
+
+def test_chat_stream_reassembles_to_the_non_streamed_text(server, smol):
+    url, _ = server
+    messages = [{"role": "user", "content": "List three colours."}]
+    c = client(url)
+    full = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    text = full.choices[0].message.content
+    assert text == alone(smol, "List three colours.", 30, chat=True)
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    pieces = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
+    assert "".join(pieces) == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_per_request_routing_options(server):
+    url, _ = server
+    c = client(url)
+    response = c.completions.create(
+        model=MODEL,
+        prompt="1, 2, 3, 4,",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"early_exit": {"mode": "exit", "high_conf_threshold": 0.9}},
+    )
+    assert response.model_extra["early_exit"]["mode"] == "exit"
+    status, body, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "early_exit": {"exit_layers": [1]}})
+    assert status == 400 and "exit_layers" in body["error"]["message"]
+
+
+def test_concurrent_streaming_clients_get_their_own_text(server, smol):
+    url, _ = server
+    prompts = ["Name a fruit.", "Count to five.", "Say hello in French.", "What is 2+2?"]
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            stream = client(url).chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": prompts[i]}],
+                max_tokens=20,
+                temperature=0,
+                stream=True,
+            )
+            results[i] = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        except BaseException as error:  # reported below, in the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors
+    for i, prompt in enumerate(prompts):  # every request got its own answer: nothing lost, duplicated or mixed
+        assert results[i] == alone(smol, prompt, 20, chat=True), prompt
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, smol):
+    url, _ = server
+    status, body, _ = post(url, "/v1/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body, _ = post(url, "/v1/completions", {"model": "gpt-4", "prompt": "hi"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, body, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 5})
+    assert status == 400 and body["error"]["param"] == "temperature"
+    status, body, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2})
+    assert status == 400 and "n" in body["error"]["message"]
+    status, body, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}})
+    assert status == 400 and "logit_bias" in body["error"]["message"]
+    long_prompt = "word " * 9000
+    status, body, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 10})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    status, body, _ = post(url, "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert status == 400
+    with pytest.raises(openai.BadRequestError):
+        client(url).completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    response = client(url).completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    assert response.choices[0].text == alone(smol, "Hello", 4)
+
+
+def test_overload_answers_503_with_retry_after(smol):
+    with running_server(smol, max_queue=1, max_running=1) as (url, _):
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0}
+        statuses: list[tuple[int, dict]] = []
+
+        def one() -> None:
+            status, _, headers = post(url, "/v1/completions", body)
+            statuses.append((status, headers))
+
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(300)
+        codes = sorted(s for s, _ in statuses)
+        assert codes.count(200) >= 1 and 503 in codes  # one runs, one may wait, the rest are turned away
+        assert all(h.get("Retry-After") == "1" for s, h in statuses if s == 503)
+        response = client(url).completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+        assert response.usage.completion_tokens == 3  # and it serves again once the queue drains
+
+
+def test_a_disconnect_cancels_the_request(smol):
+    with running_server(smol) as (url, app):
+        scheduler = app.state.scheduler
+        request = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        response = urllib.request.urlopen(request, timeout=60)
+        assert response.readline()  # the stream started
+        response.close()  # the client goes away
+        deadline = time.time() + 30
+        while scheduler.running or scheduler.stats.requests_cancelled == 0:
+            assert time.time() < deadline, "the request kept running after the client left"
+            time.sleep(0.1)
+        assert scheduler.stats.requests_finished == 0  # stopped long before its 400 tokens
+
+
+def test_api_key_is_required_when_set(smol):
+    with running_server(smol, api_key="sekrit") as (url, _):
+        with pytest.raises(openai.AuthenticationError):
+            client(url, key="wrong").models.list()
+        assert [m.id for m in client(url, key="sekrit").models.list().data] == [MODEL]
+
+
+def test_stop_strings_never_reach_the_client_even_in_part(smol):
+    tracker = TextTracker(smol.tokenizer, ("END",))
+    sent = ""
+    for piece in ["Hello", " wor", "ld E", "N", "D and more"]:
+        ids = smol.tokenizer(piece, add_special_tokens=False).input_ids
+        sent += tracker.add(ids)
+        assert "E" not in sent[len("Hello world") :]  # a possible start of the stop string is held back
+    sent += tracker.finish()
+    assert sent == tracker.text == "Hello world "
