@@ -114,8 +114,10 @@ def build_mask(
     cache: DynamicCache,
     position_ids: torch.Tensor,
     layer_idx: int,
+    attention_mask: torch.Tensor | None = None,
 ) -> Any:
-    """The attention mask of one layer kind, sized against layer `layer_idx` of `cache`."""
+    """The attention mask of one layer kind, sized against layer `layer_idx` of `cache`; `attention_mask` (b, slots)
+    marks the real slots of left-padded rows."""
     try:
         builder = MASK_BUILDERS[kind]
     except KeyError:
@@ -123,7 +125,7 @@ def build_mask(
     return builder(
         config=config,
         inputs_embeds=hidden,
-        attention_mask=None,
+        attention_mask=attention_mask,
         position_ids=position_ids,
         layer_idx=layer_idx,
         **{MASK_CACHE_KWARG: cache},

@@ -144,38 +144,60 @@ class LayerStack:
     def new_cache(self) -> Any:
         return _compat.new_cache(self.config)
 
-    def embed(self, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """(b, q) token ids at positions start..start+q-1 -> (b, q, hidden)."""
+    def embed(self, input_ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(b, q) token ids at positions start..start+q-1 (or at `positions`, (b, q), for left-padded rows) ->
+        (b, q, hidden)."""
         hidden = self.embed_tokens(input_ids)
         if self.spec.embed_multiplier is not None:
             hidden = hidden * torch.tensor(self.spec.embed_multiplier, dtype=hidden.dtype)
         if self.position_embed is not None:  # learned absolute positions; rotary models add theirs in attention
-            positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-            hidden = hidden + self.position_embed(positions).unsqueeze(0)
+            if positions is None:
+                positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            hidden = hidden + self.position_embed(positions)
         return hidden
 
     def run(
-        self, hidden: torch.Tensor, start: int, stop: int, cache: Any, positions: torch.Tensor, pad_to: int = 0
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        stop: int,
+        cache: Any,
+        positions: torch.Tensor,
+        pad_to: int = 0,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run layers `[start, stop)` over a chunk of consecutive positions.
 
-        `hidden` is (1, q, hidden_size) for positions `positions` (1, q); every layer in the range must hold exactly
-        the positions before `positions[0, 0]` in `cache`, and gains these q positions. `pad_to > q` runs the chunk
-        with throw-away positions appended (copies of the last one, where causal attention keeps them from touching
-        the real ones) and crops them from the cache again: faster where the device is slow at q rows.
-        Sliding-window layers must record their past (`_compat.prepare_for_rollback`) to be padded.
+        `hidden` is (b, q, hidden_size) for positions `positions` (b, q); every layer in the range must hold exactly
+        the slots before this chunk in `cache`, and gains these q slots. `attention_mask` (b, slots so far + q) marks
+        the real slots of left-padded rows (None: every slot is real). `pad_to > q` runs the chunk with throw-away
+        positions appended (copies of the last one, where causal attention keeps them from touching the real ones)
+        and crops them from the cache again: faster where the device is slow at q rows. Sliding-window layers must
+        record their past (`_compat.prepare_for_rollback`) to be padded.
         """
         q = hidden.shape[1]
         if start >= stop or pad_to <= q:
-            return self._run(hidden, start, stop, cache, positions)
-        first = int(positions[0, 0])
-        padded_positions = torch.arange(first, first + pad_to, device=positions.device).unsqueeze(0)
-        out = self._run(_pad_rows(hidden, pad_to), start, stop, cache, padded_positions)
+            return self._run(hidden, start, stop, cache, positions, attention_mask)
+        extra = pad_to - q
+        # (b, q) -> (b, pad_to): the throw-away positions continue each row's count
+        steps = torch.arange(1, extra + 1, device=positions.device).unsqueeze(0)
+        padded_positions = torch.cat([positions, positions[:, -1:] + steps], dim=1)
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], extra)], 1)
+        out = self._run(_pad_rows(hidden, pad_to), start, stop, cache, padded_positions, attention_mask)
         for layer_idx in range(start, stop):
-            _compat.drop_last_positions(cache, layer_idx, pad_to - q)
+            _compat.drop_last_positions(cache, layer_idx, extra)
         return out[:, :q]
 
-    def _run(self, hidden: torch.Tensor, start: int, stop: int, cache: Any, positions: torch.Tensor) -> torch.Tensor:
+    def _run(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        stop: int,
+        cache: Any,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if start >= stop:
             return hidden
         masks: dict[str, Any] = {}
@@ -184,7 +206,7 @@ class LayerStack:
             kind = self.mask_kinds[layer_idx]
             if kind not in masks:
                 # Sized against this layer's cache: deep layers may hold fewer positions than shallow ones.
-                masks[kind] = _compat.build_mask(kind, self.config, hidden, cache, positions, layer_idx)
+                masks[kind] = _compat.build_mask(kind, self.config, hidden, cache, positions, layer_idx, attention_mask)
                 rotary[kind] = self._position_embeddings(hidden, positions, kind)
             output = self.layers[layer_idx](
                 hidden,
@@ -261,6 +283,6 @@ def dense(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_rows(hidden: torch.Tensor, length: int) -> torch.Tensor:
-    """(1, q, hidden) -> (1, max(q, length), hidden): throw-away copies of the last position appended."""
+    """(b, q, hidden) -> (b, max(q, length), hidden): throw-away copies of the last position appended."""
     extra = length - hidden.shape[1]
     return hidden if extra <= 0 else torch.cat([hidden, hidden[:, -1:].expand(-1, extra, -1)], dim=1)

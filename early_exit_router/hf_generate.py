@@ -6,8 +6,10 @@ to the class's own `generate`, which validates arguments, merges the `Generation
 processors and stopping criteria as usual, and then hands them to the router's decode loop through transformers'
 `custom_generate` callable extension point. Nothing new is added to `generate`'s keyword arguments.
 
-Calls the router cannot serve (beam search, assisted generation, a user's own `custom_generate`, several sequences,
-padding, a cache to continue from) run plain HF generation, unchanged. The last call's `GenerationStats` is
+Batches (several sequences, left padding) run through the batch-synchronous engine (`batch_engine.py`), except
+verify-mode sampling, per-step scores or logits, and streamers, which run plain HF generation. Calls the router
+cannot serve (beam search, assisted generation, a user's own `custom_generate`, a cache to continue from) run plain
+HF generation, unchanged. The last call's `GenerationStats` is
 `router.last_stats`.
 """
 
@@ -73,8 +75,13 @@ def _routed_decoding(
     mask = model_kwargs.get("attention_mask")
     cache = model_kwargs.get(_compat.GENERATE_CACHE_KWARG)
     continuing = cache is not None and cache.get_seq_length() > 0
-    padded = mask is not None and not bool((mask != 0).all())
-    if input_ids.shape[0] != 1 or padded or continuing or synced_gpus:
+    batched = input_ids.shape[0] != 1 or (mask is not None and not bool((mask != 0).all()))
+    mode = getattr(generation_config, "early_exit_mode", None) or router.config.mode
+    want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+    want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+    # The batch engine decodes verify mode greedily and returns no per-step scores; HF streamers take one row.
+    batch_routable = not (mode == "verify" and generation_config.do_sample) and not (want_scores or want_logits)
+    if continuing or synced_gpus or (batched and (not batch_routable or streamer is not None)):
         if streamer is not None:  # generate() skipped the prompt's put: the streamer was ours to handle
             streamer.put(input_ids.cpu())
         return type(model)._sample(
@@ -89,9 +96,6 @@ def _routed_decoding(
         )
 
     stack = router._stack
-    mode = getattr(generation_config, "early_exit_mode", None) or router.config.mode
-    want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
-    want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     request = DecodeRequest(
         mode=mode,
         max_new_tokens=generation_config.max_length - input_ids.shape[1],
@@ -105,6 +109,14 @@ def _routed_decoding(
     selector = TokenSelector(
         SamplingParams(do_sample=bool(generation_config.do_sample)), stack.device, logits_processor
     )
+    if batched:
+        ids, mask = router._check_input_ids(input_ids, mask)
+        pad = generation_config.pad_token_id
+        out = router._run_batch(ids, mask, request, selector, router.config, pad if isinstance(pad, int) else None)
+        router.last_stats = out.stats
+        if not generation_config.return_dict_in_generate:
+            return out.sequences
+        return _compat.generate_output(out.sequences, None, None, out.cache)
     sequences, stats, logits, cache, _ = router._run_engine(input_ids.to(stack.device), request, selector)
     router.last_stats = stats
     if not generation_config.return_dict_in_generate:

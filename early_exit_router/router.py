@@ -16,6 +16,7 @@ from torch import nn
 
 from . import __version__, _compat
 from .architecture import LayerStack
+from .batch_engine import BatchEngine, combined_stats
 from .checkpoint import BaseModelIdentity, head_fingerprint, head_hash, is_router_dir, load_router, save_router
 from .config import MODES, RouterConfig
 from .costs import CostModel, cost_key, cost_model_for
@@ -37,11 +38,13 @@ GENERATE_ATTR = "generate"  # instance attribute: model.generate() routes throug
 class GenerationOutput:
     """What `EarlyExitRouter.generate` returns."""
 
-    sequences: torch.LongTensor  # (1, prompt + new), like HF generate
+    sequences: torch.LongTensor  # (b, prompt + new), like HF generate (rows padded after their EOS)
     stats: GenerationStats
     logits: tuple[torch.Tensor, ...] | None = None  # per new token, (1, vocab) raw logits it was chosen from
     cache: Any = None  # the KV cache: every layer holds sequences[:, :-1], as a full forward pass would
-    depths: list[int] = field(default_factory=list)  # per new token: the 0-based layer it left at (-1: n-gram tier)
+    depths: list = field(default_factory=list)  # per new token: the 0-based layer it left at (-1: n-gram tier);
+    # for a batch, one such list per row
+    row_stats: list[GenerationStats] | None = None  # a batch's per-row statistics (`stats` then sums the rows)
 
 
 class EarlyExitRouter:
@@ -355,8 +358,9 @@ class EarlyExitRouter:
             raise ValueError(f"Unknown mode {mode!r}: use one of {', '.join(MODES)}.")
         if isinstance(input_ids, str):
             input_ids = self.encode(input_ids)
-        input_ids = self._check_input_ids(input_ids, attention_mask)
+        input_ids, attention_mask = self._check_input_ids(input_ids, attention_mask)
         self.check_length(input_ids.shape[1], max_new_tokens)
+        batched = input_ids.shape[0] > 1 or not bool(attention_mask.all())
         params = SamplingParams(do_sample, temperature, top_k, top_p, seed)
         stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings or ())
         if stop_strings and self.tokenizer is None:
@@ -365,6 +369,7 @@ class EarlyExitRouter:
         if self._state == "disabled":
             return self._plain_generate(
                 input_ids,
+                attention_mask,
                 max_new_tokens,
                 params,
                 eos,
@@ -386,6 +391,8 @@ class EarlyExitRouter:
             output_logits=output_logits,
         )
         selector = TokenSelector(params, self._stack.device, logits_processor)
+        if batched:
+            return self._run_batch(input_ids, attention_mask, request, selector, cfg)
         sequences, stats, logits, cache, depths = self._run_engine(input_ids, request, selector, cfg)
         return GenerationOutput(
             sequences=sequences,
@@ -394,6 +401,40 @@ class EarlyExitRouter:
             cache=cache,
             depths=list(depths),
         )
+
+    def _run_batch(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        request: DecodeRequest,
+        selector: TokenSelector,
+        config: RouterConfig,
+        pad_token_id: int | None = None,
+    ) -> GenerationOutput:
+        """Several sequences (left-padded) through the batch-synchronous engine (`batch_engine.py`); finished rows
+        are filled with `pad_token_id` (default: the tokenizer's or the model's pad token, else EOS)."""
+        if request.streamer is not None or request.output_logits:
+            raise ValueError("Streamers and output_logits take one sequence: generate the batch row by row for them.")
+        engine = BatchEngine(self._stack, self.heads, Router(config, self._stack.vocab_size), config)
+        with self.lock:
+            sequences, rows, cache, depths = engine.generate(
+                input_ids,
+                attention_mask,
+                request,
+                selector,
+                self._pad_token_id(request) if pad_token_id is None else pad_token_id,
+            )
+        return GenerationOutput(sequences, combined_stats(rows), None, cache, depths, rows)
+
+    def _pad_token_id(self, request: DecodeRequest) -> int:
+        """What finished rows of a batch are filled with: the tokenizer's or the model's pad token, else EOS."""
+        for candidate in (
+            getattr(self.tokenizer, "pad_token_id", None),
+            getattr(self._model.generation_config, "pad_token_id", None),
+        ):
+            if isinstance(candidate, int):
+                return candidate
+        return min(request.eos_token_ids) if request.eos_token_ids else 0
 
     def call_config(self, config: RouterConfig | Mapping[str, Any] | None = None) -> RouterConfig:
         """The routing config of one call: the router's, another `RouterConfig`, or the router's with the fields in
@@ -479,20 +520,18 @@ class EarlyExitRouter:
             store = self._ngram_store = SuffixStore(*shape)
         return store
 
-    def _check_input_ids(self, input_ids: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _check_input_ids(
+        self, input_ids: Any, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validated (b, n) ids on the model's device, and their (b, n) attention mask (all ones when not given)."""
         if not torch.is_tensor(input_ids):
-            raise TypeError(f"input_ids must be a LongTensor of shape (1, n) or a string, got {type(input_ids)}.")
+            raise TypeError(f"input_ids must be a LongTensor of shape (b, n) or a string, got {type(input_ids)}.")
         if input_ids.dim() != 2:
             raise ValueError(
                 f"input_ids must be 2-D (batch, length), got shape {tuple(input_ids.shape)}; "
                 "for one sequence use input_ids.unsqueeze(0)."
             )
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"Batch size {input_ids.shape[0]} is not supported yet: pass one sequence of shape (1, n), "
-                "and loop over your prompts."
-            )
-        if input_ids.shape[1] == 0:
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty: give at least one prompt token (e.g. the BOS token).")
         if input_ids.dtype not in (torch.long, torch.int, torch.int32, torch.int64):
             raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
@@ -500,9 +539,21 @@ class EarlyExitRouter:
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= vocab:
             raise ValueError(f"input_ids hold ids outside the vocabulary [0, {vocab}): min {low}, max {high}.")
-        if attention_mask is not None and not bool((attention_mask != 0).all()):
-            raise ValueError("Padding is not supported (batch size 1 needs none): drop the padded positions.")
-        return input_ids.to(device=self._stack.device, dtype=torch.long)
+        device = self._stack.device
+        if attention_mask is None:
+            return input_ids.to(device=device, dtype=torch.long), torch.ones_like(input_ids, device=device)
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}."
+            )
+        mask = (attention_mask != 0).long().to(device)
+        if bool((mask[:, 1:] < mask[:, :-1]).any()):
+            raise ValueError(
+                "Only left padding is supported: pad each prompt on the left (tokenizer.padding_side = 'left')."
+            )
+        if bool((mask[:, -1] == 0).any()):
+            raise ValueError("A row of attention_mask is all padding: every prompt needs at least one token.")
+        return input_ids.to(device=device, dtype=torch.long), mask
 
     def _eos_ids(self, eos_token_id: int | list[int] | None) -> list[int]:
         if eos_token_id is None:
@@ -528,6 +579,7 @@ class EarlyExitRouter:
     def _plain_generate(
         self,
         input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
         max_new_tokens: int,
         params: SamplingParams,
         eos: list[int],
@@ -544,7 +596,7 @@ class EarlyExitRouter:
             streamer=streamer,
             return_dict_in_generate=True,
             output_logits=output_logits,
-            attention_mask=torch.ones_like(input_ids),
+            attention_mask=attention_mask,
         )
         if params.do_sample:
             kwargs.update(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p or 1.0)

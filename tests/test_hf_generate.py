@@ -123,13 +123,28 @@ def test_modes_the_router_does_not_serve_run_plain_hf_generation(kwargs):
     assert torch.equal(out, plain.generate(ids, max_new_tokens=10, **kwargs))
 
 
-def test_a_batch_runs_plain_hf_generation():
+@pytest.mark.parametrize("mode", ["verify", "exit"])
+def test_a_left_padded_batch_is_routed_and_verify_equals_hf(mode):
     model = tiny_llama(5)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
     ids = torch.cat([prompt(5), prompt(6)])
-    streamer_free = model.generate(ids, max_new_tokens=8, do_sample=False)
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0  # row 0 is two tokens shorter, padded on the left
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0, early_exit_mode=mode)
+    out = model.generate(ids, attention_mask=mask, generation_config=config)
+    assert router.last_stats is not None and router.last_stats.new_tokens == 16  # routed, both rows
+    if mode == "verify":
+        plain = plain_generate(5, ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(out, plain)
+
+
+def test_a_batch_asking_for_scores_runs_plain_hf_generation():
+    model = tiny_llama(5)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    ids = torch.cat([prompt(5), prompt(6)])
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_scores=True)
     assert router.last_stats is None
-    assert torch.equal(streamer_free, plain_generate(5, ids, max_new_tokens=8, do_sample=False))
+    assert torch.equal(out.sequences, plain_generate(5, ids, max_new_tokens=8, do_sample=False))
 
 
 def test_unpatch_and_disabled_restore_plain_generate():

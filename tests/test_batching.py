@@ -1,0 +1,133 @@
+"""Batched generation (batch-synchronous): left-padded rows of different lengths, finishing independently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from early_exit_router import EarlyExitRouter
+from early_exit_router._compat import forward_cache
+
+from .conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, VOCAB, assert_cache_matches_full_forward, tiny_llama
+
+PAD = 0
+
+
+def left_padded(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, max length) random prompts, left-padded with PAD, and their attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for r, n in enumerate(lengths):
+        ids[r, width - n :] = torch.randint(2, VOCAB, (n,), generator=generator)
+        mask[r, width - n :] = 1
+    return ids, mask
+
+
+def hf_batched_greedy(model, ids, mask, n, eos=None):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=PAD, eos_token_id=eos
+        )
+
+
+def row_alone(ids: torch.Tensor, mask: torch.Tensor, r: int) -> torch.Tensor:
+    return ids[r : r + 1, mask[r].bool()]
+
+
+@pytest.mark.parametrize("config", [MIXED, ALWAYS_EXIT, dict(MIXED, max_pending=2)], ids=["mixed", "always", "window"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_verify_equals_hf_batched_greedy_for_every_row(seed, config):
+    model = tiny_llama(seed)
+    ids, mask = left_padded([5, 9, 3, 7], seed)
+    reference = hf_batched_greedy(model, ids, mask, 20)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    out = router.generate(ids, 20, mode="verify", attention_mask=mask)
+    assert torch.equal(out.sequences, reference)
+    assert len(out.row_stats) == 4 and out.stats.new_tokens == 80
+    if config is ALWAYS_EXIT:
+        assert out.stats.hit_rate > 0 or out.stats.rejected_drafts > 0  # drafts were made and verified
+    full = torch.cat([mask, torch.ones(4, out.sequences.shape[1] - ids.shape[1], dtype=torch.long)], dim=1)
+    positions = (full[:, :-1].cumsum(-1) - 1).clamp(min=0)  # as HF generate numbers left-padded rows
+    with torch.no_grad():  # the cache holds what a batched forward pass over the output gives
+        output = model(out.sequences[:, :-1], attention_mask=full[:, :-1], position_ids=positions, use_cache=True)
+    expected = forward_cache(output)
+    for layer in range(model.config.num_hidden_layers):
+        for mine, theirs in zip(_layer_kv(out.cache, layer), _layer_kv(expected, layer)):
+            keep = full[:, :-1].bool()  # padded slots hold whatever was computed there: compare real ones
+            torch.testing.assert_close(mine.transpose(1, 2)[keep], theirs.transpose(1, 2)[keep], atol=1e-5, rtol=0)
+
+
+def _layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return cache.layers[layer].keys, cache.layers[layer].values
+
+
+def test_rows_that_stop_early_are_padded_like_hf():
+    model = tiny_llama(0)
+    ids, mask = left_padded([6, 4, 8], 3)
+    probe = hf_batched_greedy(model, ids, mask, 12)
+    eos = int(probe[1, ids.shape[1] + 3])  # a token row 1 emits early: it becomes the EOS
+    reference = hf_batched_greedy(model, ids, mask, 12, eos=eos)
+    model.generation_config.pad_token_id = PAD  # what finished rows are filled with (HF's fallback: EOS)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    for mode in ("verify", "exit"):
+        config = MIXED if mode == "verify" else NEVER_EXIT
+        out = router.generate(ids, 12, mode=mode, attention_mask=mask, eos_token_id=eos, config=config)
+        assert torch.equal(out.sequences, reference), mode
+        assert out.row_stats[1].new_tokens < 12  # row 1 finished on its own
+
+
+@pytest.mark.parametrize("config", [ALWAYS_EXIT, NEVER_EXIT], ids=["always", "never"])
+def test_batched_exit_mode_equals_each_row_run_alone(config):
+    """Where each row's own decisions are the batch's (all rows exit, or none), a row's tokens, depths and cache
+    are those of the row run alone."""
+    model = tiny_llama(2)
+    ids, mask = left_padded([4, 7, 5], 5)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    out = router.generate(ids, 16, mode="exit", attention_mask=mask)
+    width = ids.shape[1]
+    for r in range(3):
+        alone = router.generate(row_alone(ids, mask, r), 16, mode="exit")
+        assert torch.equal(out.sequences[r, width:], alone.sequences[0, alone.sequences.shape[1] - 16 :])
+        assert out.depths[r] == alone.depths
+    if config is ALWAYS_EXIT:
+        assert out.stats.hit_rate > 0.5
+
+
+def test_a_mixed_batch_exits_only_when_every_row_may():
+    model = tiny_llama(0)
+    ids, mask = left_padded([5, 6], 1)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    out = router.generate(ids, 16, mode="exit", attention_mask=mask)
+    assert out.depths[0] == out.depths[1]  # one decision per step for the whole batch
+    assert_cache_matches_full_forward_batched(model, out)
+
+
+def assert_cache_matches_full_forward_batched(model, out) -> None:
+    """Rows without padding: each row's cache equals its own full forward pass."""
+    for r in range(out.sequences.shape[0]):
+        single = type(out.cache)()
+        for layer in range(model.config.num_hidden_layers):
+            keys, values = _layer_kv(out.cache, layer)
+            single.update(keys[r : r + 1], values[r : r + 1], layer)
+        if r == 1:  # the longest row has no padding slots
+            assert_cache_matches_full_forward(model, out.sequences[r : r + 1], single)
+
+
+def test_batched_sampling_in_exit_mode_and_clear_errors():
+    model = tiny_llama(0)
+    ids, mask = left_padded([3, 5], 2)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    a = router.generate(ids, 10, mode="exit", attention_mask=mask, do_sample=True, seed=7)
+    b = router.generate(ids, 10, mode="exit", attention_mask=mask, do_sample=True, seed=7)
+    assert torch.equal(a.sequences, b.sequences) and a.sequences.shape == (2, ids.shape[1] + 10)
+    with pytest.raises(ValueError, match="greedily"):
+        router.generate(ids, 4, mode="verify", attention_mask=mask, do_sample=True)
+    right = mask.flip(1)
+    with pytest.raises(ValueError, match="left padding"):
+        router.generate(ids, 4, attention_mask=right)
+    with pytest.raises(ValueError, match="shape"):
+        router.generate(ids, 4, attention_mask=mask[:, 1:])
+    with pytest.raises(ValueError, match="Streamers"):
+        router.generate(ids, 4, attention_mask=mask, output_logits=True)
