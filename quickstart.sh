@@ -37,7 +37,7 @@ setup() {
 command="${1:-help}"
 shift || true
 case "$command" in
-    generate|bench|calibrate|profile|export-draft|train-heads|eval-heads|survey|memory|serve)
+    generate|bench|bench-batch|calibrate|profile|export-draft|train-heads|eval-heads|survey|memory|serve|loadtest)
         setup
         exec "$VENV/bin/early-exit-router" "$command" "$@"
         ;;
@@ -60,7 +60,8 @@ case "$command" in
         setup
         "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "transformers==$OLDEST_TRANSFORMERS"
         exec "$VENV/bin/python" -m pytest -q tests/test_architectures.py tests/test_patching.py \
-            tests/test_no_leaks.py tests/test_generation.py tests/test_quantized.py "$@"
+            tests/test_no_leaks.py tests/test_generation.py tests/test_quantized.py tests/test_batching.py \
+            tests/test_concurrency.py "$@"
         ;;
     setup)
         setup

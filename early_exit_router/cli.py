@@ -202,6 +202,40 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true", help="No progress bar.")
     _add_router_options(bench)
 
+    load = sub.add_parser(
+        "loadtest",
+        help="Concurrent streaming clients against the server (routing on and off); checks every response.",
+        description="Starts the server in-process on loopback, sends chat requests from N concurrent streaming clients "
+        "with the official openai client, once with the router's config and once with routing off, checks that "
+        "every (greedy) response equals the same request run alone, and reports throughput and p50/p99 latency.",
+    )
+    load.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    load.add_argument("--prompts", default=None, help="JSONL: id, category, kind, prompt (default: dev).")
+    load.add_argument("--clients", type=int, default=8, help="Concurrent streaming clients (default: 8).")
+    load.add_argument("--requests-per-client", type=int, default=2, help="Requests each client sends (default: 2).")
+    load.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request (default: 32).")
+    load.add_argument("--out", default=None, help="Write loadtest.json into this folder.")
+    _add_load_options(load)
+    _add_router_options(load)
+
+    batch = sub.add_parser(
+        "bench-batch",
+        help="Batched generation against HF batched generate, at several batch sizes, side by side.",
+        description="Left-pads the first B prompts into one batch for each batch size and runs plain HF batched "
+        "generate, the router in verify mode and in exit mode (batch-synchronous), greedy; reports throughput, "
+        "per-request latency and whether each row equals the control's.",
+    )
+    batch.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    batch.add_argument("--prompts", default=None, help="JSONL: id, category, kind (text|chat), prompt (default: dev).")
+    batch.add_argument(
+        "--batch-sizes", type=_int_list, default=[1, 4, 8, 16], metavar="B1,B2", help="Default: 1,4,8,16."
+    )
+    batch.add_argument("--max-new-tokens", type=int, default=32, help="New tokens per row (default: 32).")
+    batch.add_argument("--repeats", type=int, default=2, help="Repeats per batch size; medians reported (default: 2).")
+    batch.add_argument("--out", default=None, help="Write bench-batch.json into this folder.")
+    _add_load_options(batch)
+    _add_router_options(batch)
+
     profile = sub.add_parser(
         "profile",
         help="Measure (or show the cached) cost model the router decides from on this device.",
@@ -493,6 +527,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_loadtest(args: argparse.Namespace) -> int:
+    try:
+        from .server.loadtest import LoadtestConfig, run_loadtest
+    except ImportError as exc:
+        raise ImportError(f"loadtest needs the 'serve' extra and openai ({exc.name} is missing).") from None
+    from .corpus import DEV_PROMPTS, load_prompts
+    from .router import EarlyExitRouter
+
+    router = EarlyExitRouter.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
+    )
+    if router.config.policy == "cost":
+        router.costs()  # measured (or loaded) before the load, not inside a request
+    prompts = [p["prompt"] for p in load_prompts(args.prompts, shipped=DEV_PROMPTS)]
+    result = run_loadtest(router, prompts, LoadtestConfig(args.clients, args.requests_per_client, args.max_tokens))
+    print(result.markdown())
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "loadtest.json").write_text(json.dumps(result.to_dict(), indent=2))
+    return 0 if result.passed else 1
+
+
+def cmd_bench_batch(args: argparse.Namespace) -> int:
+    from .batch_bench import BatchBenchConfig, run_batch_bench
+    from .corpus import DEV_PROMPTS, load_prompts
+    from .router import EarlyExitRouter
+
+    router = EarlyExitRouter.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
+    )
+    cfg = BatchBenchConfig(tuple(args.batch_sizes), args.max_new_tokens, args.repeats)
+    result = run_batch_bench(router, load_prompts(args.prompts, shipped=DEV_PROMPTS), cfg)
+    print(result.markdown())
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench-batch.json").write_text(json.dumps(result.to_dict(), indent=2))
+        print(f"\nwrote {out / 'bench-batch.json'}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from .policy import AcceptanceTracker, DraftPolicy
     from .router import EarlyExitRouter
@@ -681,6 +757,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export_draft(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "bench-batch":
+            return cmd_bench_batch(args)
+        if args.command == "loadtest":
+            return cmd_loadtest(args)
     except (ValueError, FileNotFoundError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -101,7 +101,8 @@ REFUSED = {
         lambda: transformers.OPTConfig(
             vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=6, num_attention_heads=4, **NO_SPECIAL
         ),
-        "cannot be run segment by segment",
+        # OPT's position embedding takes the attention mask, not positions: the self-test sees the wrong positions
+        "embeddings or positions are not reproduced",
     ),
     "bloom": (
         lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=6, n_head=4, **NO_SPECIAL),

@@ -131,3 +131,22 @@ def test_batched_sampling_in_exit_mode_and_clear_errors():
         router.generate(ids, 4, attention_mask=mask[:, 1:])
     with pytest.raises(ValueError, match="Streamers"):
         router.generate(ids, 4, attention_mask=mask, output_logits=True)
+
+
+def test_bench_batch_reports_every_arm_and_verify_rows_equal_the_control():
+    from early_exit_router.batch_bench import ARMS, BatchBenchConfig, run_batch_bench
+
+    from .conftest import tiny_tokenizer
+
+    router = EarlyExitRouter.from_model(tiny_llama(0), tiny_tokenizer(), exit_layers=[1, 3], **MIXED)
+    prompts = [{"id": str(k), "category": "c", "kind": "text", "prompt": " ".join(f"w{k + j}" for j in range(2 + k))}
+               for k in range(3)]  # fmt: skip
+    result = run_batch_bench(router, prompts, BatchBenchConfig(batch_sizes=(1, 3), max_new_tokens=6, repeats=1))
+    assert [(r.batch_size, r.arm) for r in result.rows] == [(b, arm) for b in (1, 3) for arm in ARMS]
+    for row in result.rows:
+        assert row.tokens_per_s > 0 and row.new_tokens == 6 * row.batch_size
+        if "verify" in row.arm:
+            assert row.identical_rows == row.batch_size  # lossless, row by row
+    assert "| 3 | router verify" in result.markdown()
+    with pytest.raises(ValueError, match="batch sizes"):
+        run_batch_bench(router, prompts, BatchBenchConfig(batch_sizes=(0,)))

@@ -252,3 +252,13 @@ def test_stop_strings_never_reach_the_client_even_in_part(smol):
         assert "E" not in sent[len("Hello world") :]  # a possible start of the stop string is held back
     sent += tracker.finish()
     assert sent == tracker.text == "Hello world "
+
+
+def test_loadtest_checks_every_response_against_the_request_run_alone(smol):
+    from early_exit_router.server.loadtest import LoadtestConfig, run_loadtest
+
+    result = run_loadtest(smol, ["Name a colour.", "Count to three."], LoadtestConfig(2, 1, 6))
+    assert result.passed, result.markdown()
+    assert [a.requests for a in result.arms] == [2, 2]
+    assert all(a.completion_tokens > 0 and a.tokens_per_s > 0 for a in result.arms)
+    assert "routing off" in result.markdown()

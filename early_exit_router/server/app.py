@@ -14,7 +14,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ class ServerSettings:
     max_running: int = 8
     default_max_tokens: int = 256  # chat requests without max_tokens
     retry_after_s: int = 1
+    routing_overrides: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields for every request
 
 
 class ApiError(Exception):
@@ -167,7 +168,7 @@ def _job(router: Any, settings: ServerSettings, body: Any, ids: torch.Tensor, ma
         )
     options = body.early_exit
     try:
-        config = router.call_config(options.overrides() if options else None)
+        config = router.call_config({**settings.routing_overrides, **(options.overrides() if options else {})})
     except (ValueError, TypeError) as error:
         raise ApiError(400, str(error), param="early_exit") from None
     mode = (options.mode if options else None) or config.mode
