@@ -159,3 +159,41 @@ def generate_output(sequences: torch.Tensor, scores: Any, logits: Any, cache: An
     fields = GenerateDecoderOnlyOutput.__dataclass_fields__
     cache_field = "cache" if "cache" in fields else "past_key_values"
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, **{cache_field: cache})
+
+
+def cache_rows_can_change(cache: Any) -> bool:
+    """Whether rows can join, leave and be left-padded in `cache`: plain growing layers only (a sliding window keeps
+    a rolling slice whose slots do not line up across rows)."""
+    return all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+
+
+def _layers_with_states(cache: Any) -> list[Any]:
+    if not cache_rows_can_change(cache):
+        raise NotImplementedError("Rows can join or leave a batch only with plain (non-sliding) cache layers.")
+    return [layer for layer in cache.layers if layer.is_initialized and layer.keys.numel() > 0]
+
+
+def pad_cache_front(cache: Any, count: int) -> None:
+    """Prepend `count` zero slots to every layer (left padding: the attention mask hides them)."""
+    for layer in _layers_with_states(cache):
+        b, heads, _, dim = layer.keys.shape
+        layer.keys = torch.cat([layer.keys.new_zeros((b, heads, count, dim)), layer.keys], dim=-2)
+        b, heads, _, dim = layer.values.shape
+        layer.values = torch.cat([layer.values.new_zeros((b, heads, count, dim)), layer.values], dim=-2)
+
+
+def drop_cache_front(cache: Any, count: int) -> None:
+    """Drop the first `count` slots of every layer (padding in every row)."""
+    for layer in _layers_with_states(cache):
+        layer.keys = layer.keys[:, :, count:]
+        layer.values = layer.values[:, :, count:]
+
+
+def concat_cache_rows(cache: Any, other: Any) -> None:
+    """Append `other`'s rows to `cache`, layer by layer (both hold the same slots)."""
+    ours, theirs = _layers_with_states(cache), _layers_with_states(other)
+    if len(ours) != len(theirs):
+        raise ValueError("The caches hold different layers: rows can join only between steps.")
+    for mine, new in zip(ours, theirs):
+        mine.keys = torch.cat([mine.keys, new.keys], dim=0)
+        mine.values = torch.cat([mine.values, new.values], dim=0)

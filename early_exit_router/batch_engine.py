@@ -1,4 +1,4 @@
-"""Batched decoding, batch-synchronous: b left-padded sequences share one decode loop and one rectangular cache.
+"""Batched decoding, batch-synchronous: several sequences share one decode loop and one rectangular cache.
 
 Every step feeds each row's last token. At an exit, the rows leave together or not at all: the step exits only
 when every unfinished row may exit (its gate allows it and its head passes the confidence -> entropy cascade),
@@ -10,12 +10,17 @@ row's drafts up to there are the full model's own predictions, the token after t
 every layer is cropped back to the same length. So each row's output is the full model's greedy output, as in HF
 batched `generate`.
 
-Rows finish on their own (EOS, stop strings, stopping criteria): like HF, a finished row is fed the pad token
-from then on, its attention mask stays 1, and it no longer takes part in exit or acceptance decisions.
+Rows finish on their own (EOS, stop strings, stopping criteria, their own max_new_tokens): like HF, a finished row is
+fed the pad token from then on, its attention mask stays 1, and it no longer takes part in exit or acceptance
+decisions. Rows can also join and leave between steps (`BatchDecode.join` / `remove`: continuous batching, as the
+server does): a joining row is prefilled alone and left-padded into the batch's cache, a leaving row is dropped
+from every per-row tensor, and slots that are padding in every row are dropped from the front.
 
 Left-padded slots are masked out with a 2D attention mask, and each row's positions count its real tokens only
-(HF's `cumsum(mask) - 1`). The n-gram tier and the cost policy are batch-1 features: batches route with the
-confidence cascade (the router's thresholds and window rule).
+(HF's `cumsum(mask) - 1`). Batches route with the confidence cascade (the router's thresholds and window rule); the
+n-gram tier is a batch-1 feature. Under the cost policy a batch does no harm where its exits do not fire: an exit
+that let the batch leave in fewer than `MIN_EXIT_RATE` of its recent consultations is consulted only every
+`probe_interval` steps (no gate, no head in between), so it is noticed again when the text turns predictable.
 """
 
 from __future__ import annotations
@@ -35,102 +40,180 @@ from .routing import Router
 from .sampling import TokenSelector
 from .stats import GenerationStats
 
+MIN_EXIT_RATE = 0.1  # cost policy: below this share of consultations that exit, an exit is only probed
+WARMUP = 8  # consultations before that rule applies
+MEMORY = 64  # consultations remembered (older ones halve away)
 
-@dataclass
-class _Row:
-    """One row's own record: where each new token left, and what the deep passes said about its drafts."""
 
-    depth: list[int] = field(default_factory=list)
+@dataclass(eq=False)  # identity: rows hold tensors
+class BatchRow:
+    """One sequence in the batch: its request, token chooser and own record."""
+
+    request: DecodeRequest
+    selector: TokenSelector
+    start: int  # slot of its first generated token (its prompt ends just before)
+    started: float = field(default_factory=time.perf_counter)
+    prefill_s: float = 0.0
+    depth: list[int] = field(default_factory=list)  # per generated slot: the layer it left at
     checked: int = 0
     agreed: int = 0
     rejected: int = 0
-    accepted: int = 0
-    finished_at: int | None = None  # new tokens when the row finished
+    done: bool = False
+    stop: int | None = None  # new tokens up to and including the one that stopped it
+    streamed: int = 0  # new tokens handed to the request's streamer
 
 
-class BatchEngine:
-    """Batch-synchronous early exit for left-padded batches (see the module docstring)."""
+class BatchDecode:
+    """A batch in flight (see the module docstring): `step` until `finished`, with rows joining and leaving."""
 
-    def __init__(self, stack: LayerStack, heads: ExitHeads, router: Router, config: RouterConfig) -> None:
-        self.stack, self.heads, self.router, self.config = stack, heads, router, config
+    def __init__(self, stack: LayerStack, heads: ExitHeads, router: Router, config: RouterConfig, mode: str,
+                 pad_token_id: int) -> None:  # fmt: skip
+        self.stack, self.heads, self.router, self.config, self.mode = stack, heads, router, config, mode
         self.exits = config.consulted_exit_layers()
         self.starts = [0] + [e + 1 for e in self.exits] + [stack.num_layers]  # segment s: [starts[s], starts[s+1])
         self.full_layer = stack.num_layers - 1
         self.draft = heads.draft_head(stack, config.draft_vocab_size)
+        self.pad_token_id = pad_token_id
+        self.rows: list[BatchRow] = []
+        self.cache: Any = None
+        self.seq = self.mask = self.offset = None  # (b, capacity), (b, capacity), (b, 1)
+        self.length = 0  # slots holding tokens (the same for every row)
+        self.deep_len = 0  # slots the last layer has seen
+        self.buffers: list[torch.Tensor | None] = [None] * (len(self.exits) + 1)
+        self.routing = router.new_state()
+        self.deep_passes = self.fill_positions = self.forced = 0
+        self.steps = 0
+        self.consulted = [0] * len(self.exits)  # recent consultations per exit (halved every MEMORY)
+        self.fired = [0] * len(self.exits)  # of them, those where the batch left there
+
+    # ------------------------------------------------------------------------------------------ rows in and out
+    @property
+    def pending(self) -> int:
+        """Fed slots the last layer has not seen (the same for every row)."""
+        return self.length - 1 - self.deep_len if self.rows else 0
+
+    @property
+    def finished(self) -> bool:
+        return all(row.done for row in self.rows) and self.pending == 0
+
+    def can_join(self) -> bool:
+        """Rows join only where no drafts wait: then every layer holds the same slots."""
+        return self.pending == 0
 
     @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        request: DecodeRequest,
-        selector: TokenSelector,
-        pad_token_id: int,
-    ) -> tuple[torch.Tensor, list[GenerationStats], Any, list[list[int]]]:
-        """(b, n) left-padded ids and mask -> (b, n + new) sequences, per-row stats, the cache and per-row depths
-        (the layer each new token left at, up to the row's stop)."""
-        if request.mode == "verify" and selector.params.do_sample:
-            raise ValueError("Batched verify mode decodes greedily: use do_sample=False, mode='exit', or batch size 1.")
-        start = time.perf_counter()
-        self._prefill(input_ids, attention_mask, request, selector, pad_token_id)
-        prefill_s = time.perf_counter() - start
-        while True:
-            self._update_done(request)
-            if bool(self.done.all()) or self.length - self.prompt_len >= request.max_new_tokens:
-                if self.pending == 0:
-                    break
-                self._flush(request, selector)  # drafts still waiting: verify or fill them, with no new token
-                continue
-            self._step(request, selector)
-        self._pad_finished_rows(request)
-        _compat.trim_sliding(self.cache)
-        wall = time.perf_counter() - start
-        sequences = self.seq[:, : self.length].clone()
-        stats = [self._stats(r, request, wall, prefill_s) for r in self.rows]
-        depths = [row.depth[: row.finished_at] if row.finished_at is not None else list(row.depth) for row in self.rows]
-        return sequences, stats, self.cache, depths
-
-    # ------------------------------------------------------------------------------------------------ prefill
-    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, request: DecodeRequest, selector, pad: int) -> None:
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, requests: list[DecodeRequest],
+                selectors: list[TokenSelector]) -> None:  # fmt: skip
+        """Start the batch from (b, n) left-padded prompts, one request and selector per row."""
         stack = self.stack
+        started = time.perf_counter()
         b, n = ids.shape
-        capacity = n + request.max_new_tokens + self.config.max_pending + 1
-        self.pad_token_id = pad
-        self.seq = torch.full((b, capacity), pad, dtype=torch.long, device=stack.device)
+        self.cache = stack.new_cache()
+        if self.mode == "verify":
+            _compat.prepare_for_rollback(self.cache)
+        capacity = n + max(r.max_new_tokens for r in requests) + self.config.max_pending + 1
+        self.seq = torch.full((b, capacity), self.pad_token_id, dtype=torch.long, device=stack.device)
         self.seq[:, :n] = ids
         self.mask = torch.ones((b, capacity), dtype=torch.long, device=stack.device)  # generated slots are real
         self.mask[:, :n] = mask
         self.offset = (n - mask.sum(dim=1)).unsqueeze(1)  # (b, 1): left padding per row
-        self.prompt_len = n
-        self.cache = stack.new_cache()
-        if request.mode == "verify":
-            _compat.prepare_for_rollback(self.cache)
-        self.buffers: list[torch.Tensor | None] = [None] * (len(self.exits) + 1)
-        self.rows = [_Row() for _ in range(b)]
-        self.done = torch.zeros(b, dtype=torch.bool, device=stack.device)
-        self.routing = self.router.new_state()
-        self.deep_passes = self.fill_positions = self.forced = 0
+        self.rows = [BatchRow(r, s, n, started) for r, s in zip(requests, selectors)]
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (b, n): padded slots get position 0, masked out
         hidden = stack.run(stack.embed(ids, positions=positions), 0, stack.num_layers, self.cache, positions,
                            attention_mask=self.mask[:, :n])  # fmt: skip
         logits = self._checked(stack.logits(hidden[:, -1:]))[:, -1]  # (b, vocab)
-        self.deep_len = n
-        self.length = n
-        self._append(selector.choose(self.seq[:, :n], logits), self.full_layer)
-        self._update_done(request)
+        self.deep_len = self.length = n
+        self._append(self._choose(self.seq[:, :n], logits), self.full_layer)
+        for row in self.rows:
+            row.prefill_s = time.perf_counter() - started
+        self.update_done()
 
-    # -------------------------------------------------------------------------------------------------- steps
-    @property
-    def pending(self) -> int:
-        """Fed slots the last layer has not seen (the same for every row)."""
-        return self.length - 1 - self.deep_len
+    @torch.no_grad()
+    def join(self, ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> BatchRow:
+        """Add one sequence (1, n) between steps: prefilled alone, then left-padded into the batch."""
+        if not self.rows:
+            self.prefill(ids, torch.ones_like(ids), [request], [selector])
+            return self.rows[0]
+        if not self.can_join():
+            raise RuntimeError("Rows join only when no drafts are waiting (see can_join).")
+        single = BatchDecode(self.stack, self.heads, self.router, self.config, self.mode, self.pad_token_id)
+        single.prefill(ids, torch.ones_like(ids), [request], [selector])
+        behind = (self.length - 1) - (single.length - 1)  # slots the newcomer is shorter by (negative: longer)
+        if behind < 0:
+            self._pad_front(-behind)
+        else:
+            single._pad_front(behind)
+        width = max(self.seq.shape[1], single.seq.shape[1])
+        self._grow(width)
+        single._grow(width)
+        self.seq = torch.cat([self.seq, single.seq])
+        self.mask = torch.cat([self.mask, single.mask])
+        self.offset = torch.cat([self.offset, single.offset])
+        _compat.concat_cache_rows(self.cache, single.cache)
+        self.rows.append(single.rows[0])
+        return single.rows[0]
 
-    def _positions(self, first: int, end: int) -> torch.Tensor:
-        """(b, end - first) positions of slots first..end-1: each row counts its real tokens only."""
-        slots = torch.arange(first, end, device=self.seq.device).unsqueeze(0)
-        return slots - self.offset
+    def remove(self, rows: list[BatchRow]) -> None:
+        """Drop rows (finished or cancelled) from every per-row tensor, then padding every row shares."""
+        keep = [k for k, row in enumerate(self.rows) if row not in rows]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[k] for k in keep]
+        if not self.rows:
+            self.cache, self.length, self.deep_len = None, 0, 0
+            self.buffers = [None] * (len(self.exits) + 1)
+            return
+        index = torch.tensor(keep, device=self.seq.device)
+        self.seq, self.mask, self.offset = self.seq[index], self.mask[index], self.offset[index]
+        self.cache.batch_select_indices(index)
+        self.buffers = [None if b is None else b[index] for b in self.buffers]
+        self._drop_common_padding()
 
-    def _step(self, request: DecodeRequest, selector: TokenSelector) -> None:
+    def _pad_front(self, count: int) -> None:
+        """Prepend `count` padding slots to every row (tokens, mask, cache); positions are unchanged."""
+        if count <= 0:
+            return
+        b = self.seq.shape[0]
+        self.seq = torch.cat([self.seq.new_full((b, count), self.pad_token_id), self.seq], dim=1)
+        self.mask = torch.cat([self.mask.new_zeros((b, count)), self.mask], dim=1)
+        self.offset = self.offset + count
+        _compat.pad_cache_front(self.cache, count)
+        self.length += count
+        self.deep_len += count
+        for row in self.rows:
+            row.start += count
+
+    def _drop_common_padding(self) -> None:
+        """Drop the leading slots that are padding in every row (a long row left): the cache stays small."""
+        real = self.mask[:, : self.length].bool()
+        first_real = torch.where(real.any(dim=0))[0]
+        count = int(first_real[0]) if first_real.numel() else 0
+        if count <= 0:
+            return
+        self.seq, self.mask = self.seq[:, count:], self.mask[:, count:]
+        self.offset = self.offset - count
+        _compat.drop_cache_front(self.cache, count)
+        self.length -= count
+        self.deep_len -= count
+        for row in self.rows:
+            row.start -= count
+
+    def _grow(self, width: int) -> None:
+        extra = width - self.seq.shape[1]
+        if extra > 0:
+            b = self.seq.shape[0]
+            self.seq = torch.cat([self.seq, self.seq.new_full((b, extra), self.pad_token_id)], dim=1)
+            self.mask = torch.cat([self.mask, self.mask.new_ones((b, extra))], dim=1)
+
+    # ---------------------------------------------------------------------------------------------------- steps
+    @torch.no_grad()
+    def step(self) -> None:
+        """One step for every row: a new token per row, or (once all rows are done) the flush of waiting drafts."""
+        if all(row.done for row in self.rows) or not self.rows:
+            if self.pending:
+                self._flush()
+            return
+        self._grow(self.length + self.config.max_pending + 2)
+        self.steps += 1
         q = self.length - 1  # the slot fed now
         forced = self.router.forced_deep(self.routing, self.pending)
         self.forced += int(forced)
@@ -138,13 +221,17 @@ class BatchEngine:
         chunk_start = q
         for i in range(len(self.exits) + 1):
             hidden, chunk_start = self._fill_segment(i, hidden, chunk_start, q + 1)
-            if i < len(self.exits) and not forced and self._try_exit(i, hidden, q, selector):
+            if i < len(self.exits) and not forced and self._consult(i) and self._try_exit(i, hidden, q):
+                self.update_done()
                 return
-        self._finish_deep(hidden, chunk_start, True, request, selector)
+        self._finish_deep(hidden, chunk_start, True)
+        self.update_done()
 
-    def _fill_segment(
-        self, i: int, hidden: torch.Tensor | None, chunk_start: int, end: int
-    ) -> tuple[torch.Tensor | None, int]:
+    def _positions(self, first: int, end: int) -> torch.Tensor:
+        """(b, end - first) positions of slots first..end-1: each row counts its real tokens only."""
+        return torch.arange(first, end, device=self.seq.device).unsqueeze(0) - self.offset
+
+    def _fill_segment(self, i: int, hidden: torch.Tensor | None, chunk_start: int, end: int):
         """Segment `i` over the positions waiting in front of it plus `hidden` (slots chunk_start..end-1)."""
         waiting = self.buffers[i]
         if waiting is not None:
@@ -158,11 +245,22 @@ class BatchEngine:
                              attention_mask=self.mask[:, :end])  # fmt: skip
         return out, chunk_start
 
-    def _try_exit(self, i: int, hidden: torch.Tensor, q: int, selector: TokenSelector) -> bool:
+    def _consult(self, i: int) -> bool:
+        """Whether this step asks exit `i` at all (see the module docstring: the cost policy's batch rule)."""
+        if self.config.policy != "cost" or self.consulted[i] < WARMUP:
+            return True
+        if self.fired[i] >= MIN_EXIT_RATE * self.consulted[i]:
+            return True
+        return self.config.probe_interval > 0 and self.steps % self.config.probe_interval == 0
+
+    def _try_exit(self, i: int, hidden: torch.Tensor, q: int) -> bool:
         """All unfinished rows leave at exit `i`, or none does."""
+        if self.consulted[i] >= MEMORY:
+            self.consulted[i], self.fired[i] = self.consulted[i] // 2, self.fired[i] // 2
+        self.consulted[i] += 1
         layer = self.exits[i]
         last = hidden[:, -1]  # (b, hidden)
-        active = ~self.done
+        active = torch.tensor([not row.done for row in self.rows], device=last.device)
         gate = self.heads.gate(layer) if self.config.use_gate else None
         if gate is not None and not bool((self.router.gate_allows(gate(last).reshape(-1)) | ~active).all()):
             return False  # the gate runs first: no head for a step some row cannot take
@@ -171,24 +269,24 @@ class BatchEngine:
         if not bool((flags | ~active).all()):
             return False
         self.router.record_exit(self.routing, float(confidence[active].min()) if bool(active.any()) else 1.0)
-        token = selector.choose(self.seq[:, : q + 1], logits)
+        self.fired[i] += 1
+        token = self._choose(self.seq[:, : q + 1], logits)
         waiting = self.buffers[i + 1]
         self.buffers[i + 1] = hidden if waiting is None else torch.cat([waiting, hidden], dim=1)
         self._append(token, layer)
         return True
 
-    def _flush(self, request: DecodeRequest, selector: TokenSelector) -> None:
+    def _flush(self) -> None:
         """Run every waiting position through the rest of the model with no new token."""
         end = self.length - 1
         chunk_start, hidden = end, None
         for i in range(len(self.exits) + 1):
             hidden, chunk_start = self._fill_segment(i, hidden, chunk_start, end)
         assert hidden is not None and chunk_start == self.deep_len
-        self._finish_deep(hidden, chunk_start, False, request, selector)
+        self._finish_deep(hidden, chunk_start, False)
+        self.update_done()
 
-    def _finish_deep(
-        self, hidden: torch.Tensor, chunk_start: int, has_current: bool, request: DecodeRequest, selector
-    ) -> None:
+    def _finish_deep(self, hidden: torch.Tensor, chunk_start: int, has_current: bool) -> None:
         """Final-layer logits of a deep chunk (b, m): check (exit mode) or verify (verify mode) the drafts."""
         m = hidden.shape[1]
         n_drafts = m - 1 if has_current else m
@@ -197,99 +295,103 @@ class BatchEngine:
         self.deep_len = chunk_start + m
         logits = self._checked(self.stack.logits(hidden))  # (b, m, vocab)
         drafts = self.seq[:, chunk_start + 1 : chunk_start + 1 + n_drafts]  # (b, n_drafts)
-        # Greedy predictions of the full model for each draft position; sampling (exit mode) uses them for
-        # agreement only, as the single-row engine does.
-        predicted = logits[:, :n_drafts].argmax(dim=-1)  # (b, n_drafts)
-        matches = (predicted == drafts).cpu()
-        active = (~self.done).cpu().tolist()
-        if request.mode == "exit":
+        matches = (logits[:, :n_drafts].argmax(dim=-1) == drafts).cpu()  # the full model's verdict per draft
+        active = [not row.done for row in self.rows]
+        if self.mode == "exit":
             for r, row in enumerate(self.rows):
                 if active[r]:
                     row.checked += n_drafts
                     row.agreed += int(matches[r].sum())
             if has_current:
-                self._append(selector.choose(self.seq[:, : chunk_start + m], logits[:, -1]), self.full_layer)
+                self._append(self._choose(self.seq[:, : chunk_start + m], logits[:, -1]), self.full_layer)
             return
         # verify: the batch keeps the shortest accepted prefix among unfinished rows
         leading = torch.cumprod(matches.long(), dim=1).sum(dim=1).tolist()  # (b,) accepted drafts per row
         accept = min([a for a, on in zip(leading, active) if on], default=n_drafts)
         for r, row in enumerate(self.rows):
-            if active[r]:
-                row.accepted += accept
-                row.rejected += n_drafts - accept if leading[r] < n_drafts else 0
+            if active[r] and leading[r] < n_drafts:
+                row.rejected += n_drafts - accept
         if accept == n_drafts and not has_current:
             return
         keep = chunk_start + accept + 1  # slots whose KV stays: the chunk's first `accept + 1` inputs
         if accept < n_drafts:
             for layer_idx in range(self.stack.num_layers):
                 _compat.crop_cache_layer(self.cache, layer_idx, keep)
-            self.deep_len = keep
-            self.length = keep
+            self.deep_len = self.length = keep
             for row in self.rows:
-                del row.depth[len(row.depth) - (n_drafts - accept) :]
-        row_logits = logits[:, accept]  # (b, vocab): the full model's prediction after the accepted drafts
-        self._append(selector.choose(self.seq[:, :keep], row_logits), self.full_layer)
+                del row.depth[keep - row.start :]
+        self._append(self._choose(self.seq[:, :keep], logits[:, accept]), self.full_layer)
 
     # ------------------------------------------------------------------------------------------- bookkeeping
+    def _choose(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """(b, vocab) -> (b,) tokens, each row by its own selector (one call when they are all plain greedy)."""
+        first = self.rows[0].selector
+        if all(r.selector is first for r in self.rows) or all(_plain_greedy(r.selector) for r in self.rows):
+            return first.choose(input_ids, logits).reshape(-1)
+        return torch.cat([r.selector.choose(input_ids[k : k + 1], logits[k : k + 1]).reshape(1)
+                          for k, r in enumerate(self.rows)])  # fmt: skip
+
     def _append(self, token: torch.Tensor, layer: int) -> None:
-        token = torch.where(self.done, torch.full_like(token, self.pad_token_id), token.reshape(-1))
+        done = torch.tensor([row.done for row in self.rows], device=token.device)
+        token = torch.where(done, torch.full_like(token, self.pad_token_id), token.reshape(-1))
         self.seq[:, self.length] = token
         self.length += 1
         for row in self.rows:
             row.depth.append(layer)
 
-    def _final_length(self, request: DecodeRequest) -> int:
+    def final_length(self) -> int:
         """Slots whose tokens are final: all of them in exit mode; up to the last deep prediction in verify."""
-        return self.length if request.mode == "exit" else self.deep_len + 1
+        return self.length if self.mode == "exit" else self.deep_len + 1
 
-    def _update_done(self, request: DecodeRequest) -> None:
-        """Mark rows whose final tokens hit EOS, a stop string or a stopping criterion."""
-        final = self._final_length(request)
-        new = final - self.prompt_len
-        tokens = self.seq[:, :final]
-        done = self.done.clone()
-        if request.eos_token_ids:
-            eos = torch.tensor(sorted(request.eos_token_ids), device=tokens.device)
-            done |= torch.isin(tokens[:, self.prompt_len :], eos).any(dim=1)
-        if request.stop_strings:
-            for r in range(tokens.shape[0]):
-                tail = request.tokenizer.decode(tokens[r, max(self.prompt_len, final - 32) :].tolist())
-                done[r] |= any(s in tail for s in request.stop_strings)
-        if request.stopping_criteria is not None:
-            done |= torch.as_tensor(request.stopping_criteria(tokens, None), device=done.device).reshape(-1)
-        for r in torch.nonzero(done & ~self.done).reshape(-1).tolist():
-            self.rows[r].finished_at = new
-        self.done = done
-
-    def _pad_finished_rows(self, request: DecodeRequest) -> None:
-        """Pad each row after its first EOS, as HF does (verify mode may have accepted tokens past it)."""
-        for r in range(len(self.rows)):
-            stop = self._stop_index(r, request)
+    def update_done(self) -> None:
+        """Mark rows whose final tokens hit EOS, a stop string, a stopping criterion or their max_new_tokens."""
+        final = self.final_length()
+        for r, row in enumerate(self.rows):
+            if row.done:
+                continue
+            request = row.request
+            new = self.seq[r, row.start : final].tolist()[: request.max_new_tokens]
+            stop = next((k + 1 for k, t in enumerate(new) if t in request.eos_token_ids), None)
+            if stop is None and request.stop_strings:
+                for k in range(max(1, row.streamed - 8), len(new) + 1):  # the first prefix holding a stop string
+                    tail = request.tokenizer.decode(new[max(0, k - 32) : k])
+                    if any(s in tail for s in request.stop_strings):
+                        stop = k
+                        break
+            if stop is None and request.stopping_criteria is not None:
+                ids = self.seq[r : r + 1, : row.start + len(new)]
+                if bool(torch.as_tensor(request.stopping_criteria(ids, None)).any()):
+                    stop = len(new)
+            if stop is None and len(new) >= request.max_new_tokens:
+                stop = request.max_new_tokens
             if stop is not None:
-                self.seq[r, stop + 1 : self.length] = self.pad_token_id
+                row.done, row.stop = True, stop
+            self._stream(r, row, new if stop is None else new[:stop])
 
-    def _stop_index(self, r: int, request: DecodeRequest) -> int | None:
-        """The slot of row r's first EOS token, or None."""
-        if not request.eos_token_ids:
-            return None
-        new = self.seq[r, self.prompt_len : self.length].tolist()
-        for k, token in enumerate(new):
-            if token in request.eos_token_ids:
-                return self.prompt_len + k
-        return None
+    def _stream(self, r: int, row: BatchRow, final_new: list[int]) -> None:
+        if row.request.streamer is not None and len(final_new) > row.streamed:
+            row.request.streamer.put(torch.tensor(final_new[row.streamed :]))
+        row.streamed = max(row.streamed, len(final_new))
+
+    def output(self, row: BatchRow) -> list[int]:
+        """The row's generated tokens, up to its stop."""
+        r = self.rows.index(row)
+        new = self.seq[r, row.start : self.final_length()].tolist()
+        return new[: row.stop] if row.stop is not None else new[: row.request.max_new_tokens]
 
     def _checked(self, logits: torch.Tensor) -> torch.Tensor:
         if not bool(torch.isfinite(logits).all()):
             raise FloatingPointError(f"The model produced NaN or infinite logits ({self.stack.dtype}).")
         return logits
 
-    def _stats(self, row: _Row, request: DecodeRequest, wall: float, prefill_s: float) -> GenerationStats:
-        depths = row.depth[: row.finished_at] if row.finished_at is not None else row.depth  # up to its stop
+    def stats(self, row: BatchRow) -> GenerationStats:
+        new = len(self.output(row))
+        depths = row.depth[:new]
         histogram: dict[int, int] = {}
         for layer in depths:
             histogram[layer] = histogram.get(layer, 0) + 1
-        new = len(depths)
         exited = sum(c for layer, c in histogram.items() if layer != self.full_layer)
+        wall = time.perf_counter() - row.started
         return GenerationStats(
             new_tokens=new,
             exit_histogram=dict(sorted(histogram.items())),
@@ -301,11 +403,54 @@ class BatchEngine:
             forced_deep=self.forced,
             rejected_drafts=row.rejected,
             wall_time_s=wall,
-            prefill_s=prefill_s,
+            prefill_s=row.prefill_s,
             tokens_per_s=new / wall if wall > 0 else 0.0,
-            mode=request.mode,
+            mode=self.mode,
             num_layers=self.stack.num_layers,
         )
+
+
+def _plain_greedy(selector: TokenSelector) -> bool:
+    return not selector.params.do_sample and not selector.processors
+
+
+class BatchEngine:
+    """A whole left-padded batch in one call (`router.generate` and `model.generate` with batches)."""
+
+    def __init__(self, stack: LayerStack, heads: ExitHeads, router: Router, config: RouterConfig) -> None:
+        self.stack, self.heads, self.router, self.config = stack, heads, router, config
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        request: DecodeRequest,
+        selector: TokenSelector,
+        pad_token_id: int,
+    ) -> tuple[torch.Tensor, list[GenerationStats], Any, list[list[int]]]:
+        """(b, n) left-padded ids and mask -> (b, n + new) sequences (rows padded after their stop, as HF does),
+        per-row stats, the cache (of every slot but the last) and per-row depths (the layer each new token left
+        at)."""
+        if request.mode == "verify" and selector.params.do_sample:
+            raise ValueError("Batched verify mode decodes greedily: use do_sample=False, mode='exit', or batch size 1.")
+        batch = BatchDecode(self.stack, self.heads, self.router, self.config, request.mode, pad_token_id)
+        b, n = input_ids.shape
+        batch.prefill(input_ids, attention_mask, [request] * b, [selector] * b)
+        while not batch.finished:
+            batch.step()
+        outputs = [batch.output(row) for row in batch.rows]
+        width = max(len(o) for o in outputs)
+        sequences = torch.full((b, n + width), pad_token_id, dtype=torch.long, device=input_ids.device)
+        sequences[:, :n] = input_ids
+        for r, out in enumerate(outputs):
+            sequences[r, n : n + len(out)] = torch.tensor(out, dtype=torch.long)
+        for layer_idx in range(self.stack.num_layers):  # drafts accepted past the last stop: not in the output
+            _compat.crop_cache_layer(batch.cache, layer_idx, n + width - 1)
+        _compat.trim_sliding(batch.cache)
+        stats = [batch.stats(row) for row in batch.rows]
+        depths = [row.depth[: len(out)] for row, out in zip(batch.rows, outputs)]
+        return sequences, stats, batch.cache, depths
 
 
 def combined_stats(rows: list[GenerationStats]) -> GenerationStats:
@@ -318,6 +463,7 @@ def combined_stats(rows: list[GenerationStats]) -> GenerationStats:
     checked = sum(r.exited_checked for r in rows)
     agreed = sum((r.agreement or 0.0) * r.exited_checked for r in rows)
     first = rows[0]
+    wall = max(r.wall_time_s for r in rows)
     return GenerationStats(
         new_tokens=new,
         exit_histogram=dict(sorted(histogram.items())),
@@ -328,9 +474,9 @@ def combined_stats(rows: list[GenerationStats]) -> GenerationStats:
         mean_fill_chunk=first.mean_fill_chunk,
         forced_deep=first.forced_deep,
         rejected_drafts=sum(r.rejected_drafts for r in rows),
-        wall_time_s=first.wall_time_s,
+        wall_time_s=wall,
         prefill_s=first.prefill_s,
-        tokens_per_s=new / first.wall_time_s if first.wall_time_s > 0 else 0.0,
+        tokens_per_s=new / wall if wall > 0 else 0.0,
         mode=first.mode,
         num_layers=first.num_layers,
     )

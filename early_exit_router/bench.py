@@ -193,7 +193,7 @@ class _Runner:
         if arm.kind == "router":
             # Every run starts with an empty n-gram store: the same prompt from another arm would otherwise be
             # copied whole. The bench measures one request at a time; the store pays off across requests.
-            router._ngram_store = None
+            router.clear_ngram_store()
             config = router.config.replace(**arm.overrides)  # per call: router.config is never swapped
             out = router.generate(ids, self.max_new_tokens, mode=arm.mode, config=config, streamer=streamer)
             new_ids, stats = out.sequences[0, n:].tolist(), out.stats.to_dict()

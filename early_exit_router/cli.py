@@ -335,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-running", type=int, default=8, help="Requests decoded at once, interleaved (default: 8)."
     )
     server.add_argument("--default-max-tokens", type=int, default=256, help="Chat requests without max_tokens.")
+    server.add_argument(
+        "--no-batching",
+        action="store_true",
+        help="Decode every request on its own (interleaved step by step) instead of sharing a batch per mode.",
+    )
     _add_load_options(server)
     _add_router_options(server)
 
@@ -722,6 +727,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_running=args.max_running,
         default_max_tokens=args.default_max_tokens,
+        batching=not args.no_batching,
     )
     print(router.describe())
     serve(router, settings, host=args.host, port=args.port)

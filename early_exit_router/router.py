@@ -509,6 +509,11 @@ class EarlyExitRouter:
             )
         return self._measured
 
+    def clear_ngram_store(self) -> None:
+        """Forget the earlier outputs the n-gram tier copies from (benchmarks start every run from nothing)."""
+        with self.lock:
+            self._ngram_store = None
+
     def ngram_store(self) -> SuffixStore | None:
         """This router's store of earlier sequences for the n-gram tier (None when `ngram_store_tokens` is 0)."""
         cfg = self.config

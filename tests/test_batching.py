@@ -150,3 +150,73 @@ def test_bench_batch_reports_every_arm_and_verify_rows_equal_the_control():
     assert "| 3 | router verify" in result.markdown()
     with pytest.raises(ValueError, match="batch sizes"):
         run_batch_bench(router, prompts, BatchBenchConfig(batch_sizes=(0,)))
+
+
+@pytest.mark.parametrize("mode", ["verify", "exit"])
+def test_rows_joining_and_leaving_between_steps_equal_each_row_run_alone(mode):
+    """Continuous batching: rows join (shorter and longer than the batch so far) and leave between steps; verify
+    rows equal HF greedy of each prompt alone, exit rows (never exiting) too, and the cache stays small."""
+    from early_exit_router.batch_engine import BatchDecode
+    from early_exit_router.engine import DecodeRequest
+    from early_exit_router.routing import Router
+    from early_exit_router.sampling import SamplingParams, TokenSelector
+
+    model = tiny_llama(0)
+    config = MIXED if mode == "verify" else NEVER_EXIT
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    cfg = router.config
+    batch = BatchDecode(router._stack, router.heads, Router(cfg, VOCAB), cfg, mode, PAD)
+    prompts = [left_padded([n], seed)[0] for n, seed in [(6, 1), (3, 2), (14, 3), (5, 4)]]
+    budgets = [10, 14, 6, 8]
+    rows, outputs = {}, {}
+
+    def join(k: int) -> None:
+        while not batch.can_join():
+            batch.step()
+        request = DecodeRequest(mode=mode, max_new_tokens=budgets[k])
+        rows[k] = batch.join(prompts[k], request, TokenSelector(SamplingParams(), prompts[k].device))
+
+    def retire() -> None:
+        finished = [row for row in batch.rows if row.done]
+        for k, row in rows.items():
+            if row in finished:
+                outputs[k] = batch.output(row)
+        batch.remove(finished)
+
+    join(0)
+    for _ in range(3):
+        batch.step()
+    join(1)  # shorter than the batch so far: padded on the left
+    batch.step()
+    join(2)  # longer: the batch is padded on the left
+    for _ in range(4):
+        batch.step()
+        retire()
+    join(3)
+    while batch.rows:
+        batch.step()
+        retire()
+    for k, ids in enumerate(prompts):
+        with router.disabled() as plain:  # HF greedy of the prompt alone
+            expected = hf_batched_greedy(plain, ids, torch.ones_like(ids), budgets[k])[0, ids.shape[1] :].tolist()
+        assert outputs[k] == expected, k
+    assert batch.cache is None and batch.length == 0  # the last row left: nothing is kept
+
+
+def test_under_the_cost_policy_a_batch_stops_asking_exits_that_never_fire(monkeypatch):
+    from early_exit_router import batch_engine
+
+    calls = []
+    real = batch_engine.draft_logits
+    monkeypatch.setattr(batch_engine, "draft_logits", lambda *a: calls.append(1) or real(*a))
+    model = tiny_llama(0)
+    ids, mask = left_padded([5, 7], 4)
+    never = dict(NEVER_EXIT, policy="cost", probe_interval=8, use_gate=False)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **never)
+    out = router.generate(ids, 40, mode="verify", attention_mask=mask)
+    steps = 39  # the prefill chose the first token
+    bound = 2 * (batch_engine.WARMUP + steps // 8 + 1)  # two exits: warm-up, then one probe every 8 steps
+    assert 0 < len(calls) <= bound < 2 * steps
+    fixed = router.generate(ids, 40, mode="verify", attention_mask=mask, config={"policy": "fixed"})
+    assert torch.equal(out.sequences, fixed.sequences)
+    assert len(calls) > bound  # the fixed cascade asks both exits at every step

@@ -171,6 +171,7 @@ def test_concurrent_streaming_clients_get_their_own_text(server, smol):
     assert not errors
     for i, prompt in enumerate(prompts):  # every request got its own answer: nothing lost, duplicated or mixed
         assert results[i] == alone(smol, prompt, 20, chat=True), prompt
+    assert server[1].state.scheduler.stats.requests_batched >= 2  # greedy requests shared a batch
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, smol):
@@ -218,12 +219,14 @@ def test_overload_answers_503_with_retry_after(smol):
         assert response.usage.completion_tokens == 3  # and it serves again once the queue drains
 
 
-def test_a_disconnect_cancels_the_request(smol):
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["batched greedy", "sampled alone"])
+def test_a_disconnect_cancels_the_request(smol, temperature):
     with running_server(smol) as (url, app):
         scheduler = app.state.scheduler
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}
         request = urllib.request.Request(
             url + "/v1/completions",
-            data=json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}).encode(),
+            data=json.dumps({**body, "temperature": temperature}).encode(),
             headers={"Content-Type": "application/json"},
         )
         response = urllib.request.urlopen(request, timeout=60)
@@ -234,6 +237,28 @@ def test_a_disconnect_cancels_the_request(smol):
             assert time.time() < deadline, "the request kept running after the client left"
             time.sleep(0.1)
         assert scheduler.stats.requests_finished == 0  # stopped long before its 400 tokens
+
+
+def test_stop_strings_end_batched_and_single_requests_alike(server, smol):
+    url, _ = server
+    prompt = "The days of the week are Monday, Tuesday,"
+    full = alone(smol, prompt, 24)
+    stop = full[6:12]  # a stop string the greedy continuation will meet
+    expected = full[: full.index(stop)]
+    c = client(url)
+    for temperature, extra in ((0, {}), (0, {"early_exit": {"mode": "exit", "high_conf_threshold": 1.0}})):
+        response = c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=temperature, stop=[stop], extra_body=extra
+        )
+        assert response.choices[0].text == expected and response.choices[0].finish_reason == "stop"
+        streamed = "".join(
+            ch.choices[0].text
+            for ch in c.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop], stream=True, extra_body=extra
+            )  # fmt: skip
+            if ch.choices
+        )
+        assert streamed == expected
 
 
 def test_api_key_is_required_when_set(smol):
@@ -259,6 +284,6 @@ def test_loadtest_checks_every_response_against_the_request_run_alone(smol):
 
     result = run_loadtest(smol, ["Name a colour.", "Count to three."], LoadtestConfig(2, 1, 6))
     assert result.passed, result.markdown()
-    assert [a.requests for a in result.arms] == [2, 2]
+    assert [a.requests for a in result.arms] == [2, 2, 2]
     assert all(a.completion_tokens > 0 and a.tokens_per_s > 0 for a in result.arms)
     assert "routing off" in result.markdown()

@@ -41,6 +41,7 @@ class ServerSettings:
     default_max_tokens: int = 256  # chat requests without max_tokens
     retry_after_s: int = 1
     routing_overrides: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields for every request
+    batching: bool = True  # share one batch per mode among requests that can (see scheduler.py)
 
 
 class ApiError(Exception):
@@ -55,7 +56,8 @@ def create_app(router: Any, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving `router`. Its scheduler starts with the app and stops with it."""
     if router.tokenizer is None:
         raise ValueError("The server needs a tokenizer: build the router with one.")
-    scheduler = Scheduler(router, settings.max_queue, settings.max_running)
+    base = router.call_config(settings.routing_overrides or None)
+    scheduler = Scheduler(router, settings.max_queue, settings.max_running, settings.batching, base)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -312,6 +314,9 @@ def _registry(scheduler: Scheduler) -> CollectorRegistry:
         lambda: scheduler.queue_depth
     )
     Gauge("eer_running_requests", "Requests being decoded", registry=registry).set_function(lambda: scheduler.running)
+    Gauge("eer_running_batched_requests", "Running requests that share a batch", registry=registry).set_function(
+        lambda: scheduler.batched
+    )
     registry.register(_StatsCollector(scheduler))
     return registry
 
@@ -333,6 +338,9 @@ class _StatsCollector:
         ):
             requests.add_metric([outcome], value)
         yield requests
+        yield CounterMetricFamily(
+            "eer_batched_requests", "Requests that joined a shared batch", value=s.requests_batched
+        )
         yield CounterMetricFamily("eer_generated_tokens", "Tokens generated", value=s.tokens_generated)
         yield GaugeMetricFamily(
             "eer_tokens_per_second", "Generated tokens/s over the last minute", value=s.tokens_per_s()

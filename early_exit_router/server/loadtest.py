@@ -1,5 +1,6 @@
 """`early-exit-router loadtest`: concurrent streaming clients (the official `openai` client) against the server,
-started in-process on loopback, with routing on (the router's config) and off (no exit, no n-gram tier).
+started in-process on loopback, with routing on (the router's config), routing off (no exit, no n-gram tier), and
+routing on without batching (each request decoded on its own, one step each in turn).
 
 Every request is greedy, so each response must equal the same request run alone (`router.generate`, after the
 load): the report counts responses that differ, requests that failed, and duplicated response ids, and gives
@@ -58,8 +59,8 @@ class LoadtestResult:
         lines = [
             f"model: {m['model']}",
             f"{m['clients']} concurrent streaming clients x {m['requests_per_client']} chat requests, "
-            f"{m['max_tokens']} tokens max, greedy; the server on loopback, interleaving up to {m['clients']} "
-            "decodes step by step",
+            f"{m['max_tokens']} tokens max, greedy; the server on loopback, up to {m['clients']} requests running at "
+            "once (continuous batching)",
             "",
             "| arm | requests | failed | differ from alone | duplicate ids | tokens/s | latency p50 / p99 s "
             "| TTFT p50 s |",
@@ -107,11 +108,17 @@ def run_loadtest(router: Any, prompts: Sequence[str], cfg: LoadtestConfig | None
         raise ValueError("No prompts to send.")
     name = "model"
     arms = []
-    for arm, overrides in (("routing on (router config)", {}), ("routing off (plain decoding)", ROUTING_OFF)):
+    for arm, overrides, batching in (
+        ("routing on (router config)", {}, True),
+        ("routing off (plain decoding)", ROUTING_OFF, True),
+        ("routing on, no batching (one step per request in turn)", {}, False),
+    ):
         settings = ServerSettings(
             model_name=name, max_queue=cfg.clients * cfg.requests_per_client, max_running=cfg.clients,
-            routing_overrides=overrides, default_max_tokens=cfg.max_tokens,
+            routing_overrides=overrides, default_max_tokens=cfg.max_tokens, batching=batching,
         )  # fmt: skip
+        # Each arm starts with an empty n-gram store: the runs before it (and the checks) hold the same answers.
+        router.clear_ngram_store()
         with running_server(router, settings) as url:
             arms.append(_load(router, url, name, arm, prompts, cfg, overrides))
     meta = {"model": router.describe(), **asdict(cfg)}
@@ -156,6 +163,11 @@ def _load(
             except Exception as error:  # counted and reported: a load test must not stop at the first failure
                 errors.append(f"request {k}: {type(error).__name__}: {error}")
 
+    warm = openai.OpenAI(base_url=f"{url}/v1", api_key="loadtest", max_retries=0, timeout=600)
+    warm.chat.completions.create(  # first-call costs stay out of the numbers (and the store is cleared after)
+        model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
+    )
+    router.clear_ngram_store()
     started = time.perf_counter()
     threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(cfg.clients)]
     for t in threads:
@@ -164,6 +176,7 @@ def _load(
         t.join()
     wall = time.perf_counter() - started
     differing = 0
+    router.clear_ngram_store()  # the check runs alone: it must not copy the answers the load just produced
     for k, r in results.items():  # each response against the same request run alone
         ids = router.encode(jobs[k], chat=True)
         out = router.generate(ids, cfg.max_tokens, config=overrides or None)

@@ -1,9 +1,11 @@
 """The server's scheduler: a bounded queue of requests and one worker thread that decodes them.
 
-Requests join and leave the running set between decode steps: the worker prefills a newly admitted request, then
-advances every running request by one step in turn (round robin), so a short request is never stuck behind a long
-one and a cancelled one stops within a step. Each step runs one sequence (batch size 1): steps of several requests
-are interleaved, not yet batched into one forward pass.
+Requests join and leave the running set between decode steps (continuous batching). Greedy requests and exit-mode
+requests that use the server's routing config share one batch per mode (`batch_engine.BatchDecode`): a newcomer is
+prefilled alone and joins the batch where no drafts wait, and a finished or cancelled row leaves at once. Requests
+the batch cannot serve exactly (verify-mode sampling, which needs the speculative-sampling rule of the one-sequence
+engine) or that set routing options of their own run as one-sequence decodes, one step each in turn. Models whose
+cache has sliding-window layers run every request that way (their cache rows do not line up).
 
 The worker is the only thread that touches the model; it holds `router.lock` around every step, so direct
 `router.generate` calls from other threads are served between steps and never interleave inside one. HTTP handlers
@@ -23,8 +25,11 @@ from typing import Any
 
 import torch
 
+from .. import _compat
+from ..batch_engine import BatchDecode, BatchRow
 from ..config import RouterConfig
 from ..engine import DecodeRequest, Decoding, Engine
+from ..routing import Router
 from ..sampling import SamplingParams, TokenSelector
 from ..stats import GenerationStats
 
@@ -125,9 +130,9 @@ def _stop_prefix_overlap(text: str, stops: tuple[str, ...]) -> int:
 class _JobStreamer:
     """The engine's streamer for one job: receives verified token ids, forwards safe text to the job."""
 
-    def __init__(self, job: Job, tracker: TextTracker, scheduler: Scheduler) -> None:
+    def __init__(self, job: Job, tracker: TextTracker, scheduler: Scheduler, prompt_seen: bool = False) -> None:
         self.job, self.tracker, self.scheduler = job, tracker, scheduler
-        self.prompt_seen = False
+        self.prompt_seen = prompt_seen  # the one-sequence engine puts the prompt first; the batch does not
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:  # the engine puts the prompt first, like HF streamers expect
@@ -149,6 +154,19 @@ class _Running:
     tracker: TextTracker
 
 
+@dataclass(eq=False)
+class _Group:
+    """The batch of one mode, its members and the jobs waiting to join it."""
+
+    batch: BatchDecode
+    members: list[tuple[BatchRow, Job, TextTracker]] = field(default_factory=list)
+    joining: collections.deque = field(default_factory=collections.deque)
+
+    @property
+    def size(self) -> int:
+        return len(self.members) + len(self.joining)
+
+
 @dataclass
 class SchedulerStats:
     """Counters for /metrics; the worker updates them, readers take a snapshot."""
@@ -157,6 +175,7 @@ class SchedulerStats:
     requests_cancelled: int = 0
     requests_failed: int = 0
     requests_rejected: int = 0
+    requests_batched: int = 0  # requests that joined a shared batch
     tokens_generated: int = 0
     exited_tokens: int = 0
     checked_tokens: int = 0
@@ -175,15 +194,25 @@ class SchedulerStats:
 class Scheduler:
     """Owns the worker thread. `submit` queues a job (or raises QueueFull); the worker does the rest."""
 
-    def __init__(self, router: Any, max_queue: int = 64, max_running: int = 8) -> None:
+    def __init__(
+        self,
+        router: Any,
+        max_queue: int = 64,
+        max_running: int = 8,
+        batching: bool = True,
+        base_config: RouterConfig | None = None,
+    ) -> None:
         if max_queue < 1 or max_running < 1:
             raise ValueError(f"max_queue and max_running must be >= 1, got {max_queue} and {max_running}.")
         self.router = router
         self.max_queue = max_queue
         self.max_running = max_running
+        self.base_config = base_config or router.config  # requests with this config may share a batch
+        self.batching = batching and _compat.cache_rows_can_change(router._stack.new_cache())
         self.stats = SchedulerStats()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[_Running] = []
+        self._groups: dict[str, _Group] = {}
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._work, name="early-exit-router-scheduler", daemon=True)
@@ -206,7 +235,12 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        return len(self._running) + sum(g.size for g in tuple(self._groups.values()))  # read by other threads too
+
+    @property
+    def batched(self) -> int:
+        """Requests now decoded in a shared batch."""
+        return sum(len(g.members) for g in tuple(self._groups.values()))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the worker: running and waiting jobs get an error event."""
@@ -223,21 +257,93 @@ class Scheduler:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._waiting and not self._running:
+                while not self._stop and not self._waiting and not self.running:
                     self._cond.wait()
                 if self._stop:
                     break
                 admitted = []
-                while self._waiting and len(self._running) + len(admitted) < self.max_running:
+                while self._waiting and self.running + len(admitted) < self.max_running:
                     admitted.append(self._waiting.popleft())
             for job in admitted:
-                self._admit(job)
+                if self._batchable(job):
+                    self._group(job).joining.append(job)
+                else:
+                    self._admit(job)
+            # One batched step per mode. Empty groups stay: their batch keeps what it learnt about its exits.
+            for group in list(self._groups.values()):
+                if group.size:
+                    self._step_group(group)
             for run in list(self._running):  # one step each, in turn
                 self._advance(run)
-        for run in self._running:
-            self.emit(run.job, ("error", RuntimeError("The server is shutting down.")))
-        for job in self._waiting:
-            self.emit(job, ("error", RuntimeError("The server is shutting down.")))
+        stopping = RuntimeError("The server is shutting down.")
+        for job in [r.job for r in self._running] + list(self._waiting):
+            self.emit(job, ("error", stopping))
+        for group in self._groups.values():
+            for job in [m[1] for m in group.members] + list(group.joining):
+                self.emit(job, ("error", stopping))
+
+    def _batchable(self, job: Job) -> bool:
+        """Whether the job may share a batch: the server's routing, and greedy unless in exit mode."""
+        return self.batching and job.config == self.base_config and (job.mode == "exit" or not job.params.do_sample)
+
+    def _group(self, job: Job) -> _Group:
+        group = self._groups.get(job.mode)
+        if group is None:
+            cfg = self.base_config
+            pad = self.router._pad_token_id(DecodeRequest(mode=job.mode, max_new_tokens=1, eos_token_ids=self._eos))
+            batch = BatchDecode(self.router._stack, self.router.heads, Router(cfg, self.router._stack.vocab_size),
+                                cfg, job.mode, pad)  # fmt: skip
+            group = self._groups[job.mode] = _Group(batch)
+        return group
+
+    @property
+    def _eos(self) -> frozenset[int]:
+        return frozenset(self.router._eos_ids(None))
+
+    def _step_group(self, group: _Group) -> None:
+        """Let waiting jobs join where no drafts wait, step the batch once, and retire finished or cancelled rows."""
+        batch = group.batch
+        try:
+            with self.router.lock:
+                while group.joining and batch.can_join():
+                    job = group.joining.popleft()
+                    if job.cancelled.is_set():
+                        self.stats.requests_cancelled += 1
+                        continue
+                    tracker = TextTracker(self.router.tokenizer, job.stop)
+                    request = DecodeRequest(
+                        mode=job.mode,
+                        max_new_tokens=job.max_new_tokens,
+                        eos_token_ids=self._eos,
+                        stop_strings=job.stop,
+                        streamer=_JobStreamer(job, tracker, self, prompt_seen=True),
+                        tokenizer=self.router.tokenizer,
+                    )
+                    row = batch.join(job.input_ids, request, TokenSelector(job.params, self.router._stack.device))
+                    group.members.append((row, job, tracker))
+                    self.stats.requests_batched += 1
+                if batch.rows:
+                    batch.step()
+                leaving = []
+                for member in list(group.members):
+                    row, job, tracker = member
+                    if job.cancelled.is_set():
+                        self.stats.requests_cancelled += 1
+                    elif row.done:
+                        self._finish(job, tracker, batch.output(row), batch.stats(row))
+                    else:
+                        continue
+                    leaving.append(row)
+                    group.members.remove(member)
+                batch.remove(leaving)
+        except Exception as error:  # a failed step fails its batch's requests, never the worker
+            for job in [m[1] for m in group.members] + list(group.joining):
+                self.stats.requests_failed += 1
+                self.emit(job, ("error", error))
+            group.members.clear()
+            group.joining.clear()
+            group.batch = BatchDecode(batch.stack, batch.heads, batch.router, batch.config, batch.mode,
+                                      batch.pad_token_id)  # fmt: skip
 
     def _admit(self, job: Job) -> None:
         if job.cancelled.is_set():
@@ -280,19 +386,20 @@ class Scheduler:
             self.emit(run.job, ("error", error))
             return
         self._running.remove(run)
-        rest = run.tracker.finish()
+        self._finish(run.job, run.tracker, sequences[0, run.job.input_ids.shape[1] :].tolist(), stats)
+
+    def _finish(self, job: Job, tracker: TextTracker, new_ids: list[int], stats: GenerationStats) -> None:
+        """Send a finished request its remaining text and its result."""
+        rest = tracker.finish()
         if rest:
-            self.emit(run.job, ("text", rest))
-        new_ids = sequences[0, run.job.input_ids.shape[1] :].tolist()
-        result = JobResult(
-            text=run.tracker.text,
-            token_ids=new_ids,
-            finish_reason=_finish_reason(new_ids, run, self.router),
-            prompt_tokens=run.job.input_ids.shape[1],
-            stats=stats,
-        )
+            self.emit(job, ("text", rest))
+        if tracker.stopped_at is not None or (new_ids and new_ids[-1] in self._eos):
+            reason = "stop"
+        else:
+            reason = "length" if len(new_ids) >= job.max_new_tokens else "stop"
+        result = JobResult(tracker.text, new_ids, reason, job.input_ids.shape[1], stats)
         self._count(stats)
-        self.emit(run.job, ("done", result))
+        self.emit(job, ("done", result))
 
     def _count(self, stats: GenerationStats) -> None:
         s = self.stats
@@ -304,9 +411,3 @@ class Scheduler:
         s.plain_steps += stats.plain_share * stats.new_tokens
         s.decode_seconds += stats.wall_time_s
         s.recent.append((time.time(), stats.new_tokens))
-
-
-def _finish_reason(new_ids: list[int], run: _Running, router: Any) -> str:
-    if run.tracker.stopped_at is not None or (new_ids and new_ids[-1] in set(router._eos_ids(None))):
-        return "stop"
-    return "length" if len(new_ids) >= run.job.max_new_tokens else "stop"
