@@ -13,8 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .config import ADAPTER_KINDS, MODES, POLICIES, RouterConfig
-from .models import DEFAULT_MODEL
+from early_exit_router.config import ADAPTER_KINDS, MODES, POLICIES, RouterConfig
+from early_exit_router.models.loading import DEFAULT_MODEL
 
 CHOICES = {"mode": MODES, "adapter": ADAPTER_KINDS, "policy": POLICIES}
 DEFAULT_PROMPT = "List the seven days of the week as a numbered list, one per line, nothing else."
@@ -371,8 +371,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from .metrics import first_divergence
-    from .router import EarlyExitRouter
+    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.tools.metrics import first_divergence
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
@@ -410,7 +410,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "plain_wall_s": plain_s,
         }
     if args.trace:
-        from .trace import render_trace, trace_legend, use_colour
+        from early_exit_router.tools.trace import render_trace, trace_legend, use_colour
 
         colour = use_colour(sys.stdout)
         if router.tokenizer is None:
@@ -437,8 +437,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_heads(args: argparse.Namespace) -> int:
-    from .router import EarlyExitRouter
-    from .training import TrainingConfig, corpus_sequences, distill_router
+    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.tools.training import TrainingConfig, corpus_sequences, distill_router
 
     overrides = _router_overrides(args)
     router = EarlyExitRouter.from_pretrained(args.model, fresh_heads=True, **overrides)
@@ -462,7 +462,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     result["wall_seconds"] = round(time.perf_counter() - start, 1)
     router.save_pretrained(args.out)
     (Path(args.out) / "training_report.json").write_text(json.dumps(result, indent=2) + "\n")
-    from .head_report import ExitQuality, format_table
+    from early_exit_router.tools.head_report import ExitQuality, format_table
 
     print(
         format_table("held-out positions of the training corpus", [ExitQuality(**r) for r in result["holdout_quality"]])
@@ -472,10 +472,10 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_heads(args: argparse.Namespace) -> int:
-    from .corpus import DEV_PROMPTS, held_out_texts, load_prompts, self_generated
-    from .head_report import as_dicts, exit_signals, format_table, quality_table
-    from .router import EarlyExitRouter
-    from .training import build_cache
+    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.tools.corpus import DEV_PROMPTS, held_out_texts, load_prompts, self_generated
+    from early_exit_router.tools.head_report import as_dicts, exit_signals, format_table, quality_table
+    from early_exit_router.tools.training import build_cache
 
     router = EarlyExitRouter.from_pretrained(args.model, **_router_overrides(args))
     print(router.describe(), file=sys.stderr)
@@ -500,9 +500,9 @@ def cmd_eval_heads(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import BenchConfig, run_bench
-    from .corpus import DEV_PROMPTS, load_prompts
-    from .router import EarlyExitRouter
+    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.tools.bench import BenchConfig, run_bench
+    from early_exit_router.tools.corpus import DEV_PROMPTS, load_prompts
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
@@ -534,11 +534,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_loadtest(args: argparse.Namespace) -> int:
     try:
-        from .server.loadtest import LoadtestConfig, run_loadtest
+        from early_exit_router.integrations.server.loadtest import LoadtestConfig, run_loadtest
     except ImportError as exc:
         raise ImportError(f"loadtest needs the 'serve' extra and openai ({exc.name} is missing).") from None
-    from .corpus import DEV_PROMPTS, load_prompts
-    from .router import EarlyExitRouter
+    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.tools.corpus import DEV_PROMPTS, load_prompts
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
@@ -556,9 +556,9 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_batch(args: argparse.Namespace) -> int:
-    from .batch_bench import BatchBenchConfig, run_batch_bench
-    from .corpus import DEV_PROMPTS, load_prompts
-    from .router import EarlyExitRouter
+    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.tools.batch_bench import BatchBenchConfig, run_batch_bench
+    from early_exit_router.tools.corpus import DEV_PROMPTS, load_prompts
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
@@ -575,8 +575,8 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .policy import AcceptanceTracker, DraftPolicy
-    from .router import EarlyExitRouter
+    from early_exit_router.runtime.policy import AcceptanceTracker, DraftPolicy
+    from early_exit_router.runtime.router import EarlyExitRouter
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
@@ -610,10 +610,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_survey(args: argparse.Namespace) -> int:
-    from .head_report import as_dicts
-    from .router import EarlyExitRouter
-    from .survey import format_survey, survey_exits
-    from .training import build_cache, corpus_sequences
+    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.tools.head_report import as_dicts
+    from early_exit_router.tools.survey import format_survey, survey_exits
+    from early_exit_router.tools.training import build_cache, corpus_sequences
 
     router = EarlyExitRouter.from_pretrained(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
     stack = router._stack
@@ -638,8 +638,8 @@ def cmd_survey(args: argparse.Namespace) -> int:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from .memory import measured_bytes, memory_budget
-    from .router import EarlyExitRouter
+    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.tools.memory import measured_bytes, memory_budget
 
     if args.context < 2:
         raise ValueError(f"--context must be at least 2 positions, got {args.context}.")
@@ -661,9 +661,15 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from .calibrate import DEFAULT_CANDIDATES, CalibrationConfig, QualityTarget, calibrate, split_prompts
-    from .corpus import CALIBRATION_PROMPTS, load_prompts
-    from .router import EarlyExitRouter
+    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.tools.calibrate import (
+        DEFAULT_CANDIDATES,
+        CalibrationConfig,
+        QualityTarget,
+        calibrate,
+        split_prompts,
+    )
+    from early_exit_router.tools.corpus import CALIBRATION_PROMPTS, load_prompts
 
     target = QualityTarget(min_agreement=args.target_agreement, max_nll_increase=args.max_nll_increase)
     cfg = CalibrationConfig(
@@ -691,8 +697,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_export_draft(args: argparse.Namespace) -> int:
-    from .export import export_draft
-    from .router import EarlyExitRouter
+    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.tools.export import export_draft
 
     router = EarlyExitRouter.from_pretrained(args.model)
     print(router.describe(), file=sys.stderr)
@@ -708,13 +714,13 @@ def cmd_export_draft(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from .server import serve
-        from .server.app import ServerSettings
+        from early_exit_router.integrations.server import serve
+        from early_exit_router.integrations.server.app import ServerSettings
     except ImportError as exc:
         raise ImportError(
             f"serve needs the 'serve' extra ({exc.name} is missing): pip install 'early-exit-router[serve]'."
         ) from None
-    from .router import EarlyExitRouter
+    from early_exit_router.runtime.router import EarlyExitRouter
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from early_exit_router import _compat
+from early_exit_router.models import _compat
 
 VOCAB = 96
 
@@ -129,7 +129,7 @@ def tiny_costs() -> dict:
     """Synthetic cost tables for the 6-layer tiny models, so that tests of the cost policy do not depend on timing:
     'flat' (a bandwidth-bound GPU: drafting pays), 'steep' (every extra position costs nearly as much as the first:
     drafting rarely pays) and 'quirky' (slow at 2-4 positions and 2-7 head rows, as this project's CPU measured)."""
-    from early_exit_router.costs import CostModel
+    from early_exit_router.runtime.costs import CostModel
 
     return {
         "flat": CostModel.synthetic(6, [1.0] * 16, [6.0] * 16, draft_head_ms=0.1),

@@ -17,8 +17,8 @@ from transformers import (
 )
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.architecture import architecture_table
-from early_exit_router.discovery import ArchitectureMismatchError, discover_spec, self_test
+from early_exit_router.models.architecture import architecture_table
+from early_exit_router.models.discovery import ArchitectureMismatchError, discover_spec, self_test
 
 from .conftest import (
     MIXED,
@@ -174,7 +174,7 @@ def test_discovery_measures_the_multipliers_and_the_self_test_refuses_wrong_ones
     assert spec.embed_multiplier == pytest.approx(3.0) and spec.logit_multiplier == pytest.approx(2.0)
     from dataclasses import replace
 
-    from early_exit_router.architecture import LayerStack
+    from early_exit_router.models.architecture import LayerStack
 
     self_test(LayerStack(model, spec))
     with pytest.raises(ArchitectureMismatchError, match="logits differ"):

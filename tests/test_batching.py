@@ -6,9 +6,16 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router._compat import forward_cache
+from early_exit_router.models._compat import forward_cache
 
-from .conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, VOCAB, assert_cache_matches_full_forward, tiny_llama
+from .conftest import (
+    ALWAYS_EXIT,
+    MIXED,
+    NEVER_EXIT,
+    VOCAB,
+    assert_cache_matches_full_forward,
+    tiny_llama,
+)
 
 PAD = 0
 
@@ -134,7 +141,7 @@ def test_batched_sampling_in_exit_mode_and_clear_errors():
 
 
 def test_bench_batch_reports_every_arm_and_verify_rows_equal_the_control():
-    from early_exit_router.batch_bench import ARMS, BatchBenchConfig, run_batch_bench
+    from early_exit_router.tools.batch_bench import ARMS, BatchBenchConfig, run_batch_bench
 
     from .conftest import tiny_tokenizer
 
@@ -156,10 +163,10 @@ def test_bench_batch_reports_every_arm_and_verify_rows_equal_the_control():
 def test_rows_joining_and_leaving_between_steps_equal_each_row_run_alone(mode):
     """Continuous batching: rows join (shorter and longer than the batch so far) and leave between steps; verify
     rows equal HF greedy of each prompt alone, exit rows (never exiting) too, and the cache stays small."""
-    from early_exit_router.batch_engine import BatchDecode
-    from early_exit_router.engine import DecodeRequest
-    from early_exit_router.routing import Router
-    from early_exit_router.sampling import SamplingParams, TokenSelector
+    from early_exit_router.runtime.batch_engine import BatchDecode
+    from early_exit_router.runtime.engine import DecodeRequest
+    from early_exit_router.runtime.routing import Router
+    from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
 
     model = tiny_llama(0)
     config = MIXED if mode == "verify" else NEVER_EXIT
@@ -204,7 +211,7 @@ def test_rows_joining_and_leaving_between_steps_equal_each_row_run_alone(mode):
 
 
 def test_under_the_cost_policy_a_batch_stops_asking_exits_that_never_fire(monkeypatch):
-    from early_exit_router import batch_engine
+    from early_exit_router.runtime import batch_engine
 
     calls = []
     real = batch_engine.draft_logits

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.bench import CONTROL, ENGINE_CONTROL, BenchConfig, run_bench
-from early_exit_router.calibrate import CalibrationConfig, QualityTarget, calibrate
 from early_exit_router.cli import main
-from early_exit_router.trace import render_trace, trace_legend
+from early_exit_router.tools.bench import CONTROL, ENGINE_CONTROL, BenchConfig, run_bench
+from early_exit_router.tools.calibrate import CalibrationConfig, QualityTarget, calibrate
+from early_exit_router.tools.trace import render_trace, trace_legend
 
 from .conftest import tiny_llama, tiny_tokenizer
 

@@ -8,10 +8,17 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.engine import DecodeRequest
-from early_exit_router.sampling import SamplingParams, TokenSelector
+from early_exit_router.runtime.engine import DecodeRequest
+from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
 
-from .conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, assert_cache_matches_full_forward, prompt, tiny_llama
+from .conftest import (
+    ALWAYS_EXIT,
+    MIXED,
+    NEVER_EXIT,
+    assert_cache_matches_full_forward,
+    prompt,
+    tiny_llama,
+)
 
 
 def test_a_per_call_config_applies_to_that_call_only():

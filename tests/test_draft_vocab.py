@@ -7,11 +7,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.checkpoint import WEIGHTS_NAME, load_router
-from early_exit_router.heads import DRAFT_RANKING, draft_token_ranking
-from early_exit_router.policy import DraftPolicy
-from early_exit_router.survey import break_even_acceptance, coverage_at, survey_exits
-from early_exit_router.training import TrainingConfig, build_cache, distill_router
+from early_exit_router.runtime.checkpoint import WEIGHTS_NAME, load_router
+from early_exit_router.runtime.heads import DRAFT_RANKING, draft_token_ranking
+from early_exit_router.runtime.policy import DraftPolicy
+from early_exit_router.tools.survey import break_even_acceptance, coverage_at, survey_exits
+from early_exit_router.tools.training import TrainingConfig, build_cache, distill_router
 
 from .conftest import MIXED, VOCAB, prompt, tiny_costs, tiny_llama
 

@@ -44,7 +44,7 @@ def test_wheel_contains_patches_and_checkpoint_package(tmp_path):
 
 def test_no_family_needs_a_spec_file(tmp_path):
     """Discovery serves every family; the override mechanism still reads a spec file when one is there."""
-    from early_exit_router import architecture
+    from early_exit_router.models import architecture
 
     assert architecture.architecture_table() == {}
     spec = {"family": "custom", "model_types": ["custom"], "layers": "model.layers", "embed_tokens": "model.e"}
@@ -65,7 +65,7 @@ def test_the_oldest_tested_transformers_is_the_declared_floor():
     import re
     from pathlib import Path
 
-    from early_exit_router._compat import MIN_TRANSFORMERS
+    from early_exit_router.models._compat import MIN_TRANSFORMERS
 
     root = Path(__file__).resolve().parent.parent
     floor = re.search(r'"transformers>=([\d.]+),', (root / "pyproject.toml").read_text()).group(1)

@@ -7,7 +7,7 @@ import torch
 from transformers import OPTConfig, OPTForCausalLM
 
 from early_exit_router import EarlyExitRouter, RouterConfig
-from early_exit_router.hf_generate import RoutedGenerate
+from early_exit_router.integrations.hf_generate import RoutedGenerate
 
 from .conftest import MIXED, assert_same_model, model_fingerprint, prompt, tiny_llama
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.checkpoint import is_router_dir, load_router
 from early_exit_router.cli import main
-from early_exit_router.models import alias_gguf_path, shipped_checkpoint
+from early_exit_router.models.loading import alias_gguf_path, shipped_checkpoint
+from early_exit_router.runtime.checkpoint import is_router_dir, load_router
 
 from .conftest import assert_cache_matches_full_forward
 

@@ -18,8 +18,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from early_exit_router import EarlyExitRouter  # noqa: E402
-from early_exit_router.server.app import ServerSettings, create_app  # noqa: E402
-from early_exit_router.server.scheduler import TextTracker  # noqa: E402
+from early_exit_router.integrations.server.app import ServerSettings, create_app  # noqa: E402
+from early_exit_router.integrations.server.scheduler import TextTracker  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 MODEL = "smollm2-135m"
@@ -280,7 +280,7 @@ def test_stop_strings_never_reach_the_client_even_in_part(smol):
 
 
 def test_loadtest_checks_every_response_against_the_request_run_alone(smol):
-    from early_exit_router.server.loadtest import LoadtestConfig, run_loadtest
+    from early_exit_router.integrations.server.loadtest import LoadtestConfig, run_loadtest
 
     result = run_loadtest(smol, ["Name a colour.", "Count to three."], LoadtestConfig(2, 1, 6))
     assert result.passed, result.markdown()

@@ -12,7 +12,13 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from early_exit_router import EarlyExitRouter
 
-from .conftest import NEVER_EXIT, UNVERIFIED_NGRAM, assert_cache_matches_full_forward, tiny_llama, tiny_tokenizer
+from .conftest import (
+    NEVER_EXIT,
+    UNVERIFIED_NGRAM,
+    assert_cache_matches_full_forward,
+    tiny_llama,
+    tiny_tokenizer,
+)
 
 
 def looping_prompt() -> torch.Tensor:

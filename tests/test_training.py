@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.head_report import cascade, exit_signals, quality_table, suggest_high_threshold
-from early_exit_router.training import (
+from early_exit_router.tools.head_report import cascade, exit_signals, quality_table, suggest_high_threshold
+from early_exit_router.tools.training import (
     TrainingConfig,
     build_cache,
     distillation_loss,
@@ -112,7 +112,7 @@ def test_quality_report_replays_the_cascade():
 
 
 def test_auc_and_saved_share_on_known_scores():
-    from early_exit_router.training import roc_auc, saved_at_recall
+    from early_exit_router.tools.training import roc_auc, saved_at_recall
 
     positive = torch.tensor([True, True, False, False])
     assert roc_auc(torch.tensor([0.9, 0.8, 0.2, 0.1]), positive) == 1.0

@@ -14,21 +14,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import __version__, _compat
-from .architecture import LayerStack
-from .batch_engine import BatchEngine, combined_stats
-from .checkpoint import BaseModelIdentity, head_fingerprint, head_hash, is_router_dir, load_router, save_router
-from .config import MODES, RouterConfig
-from .costs import CostModel, cost_key, cost_model_for
-from .discovery import stack_for
-from .engine import DecodeRequest, Engine
-from .heads import DRAFT_RANKING, ExitHeads
-from .hf_generate import RoutedGenerate
-from .models import load_base_model, resolve_alias, shipped_checkpoint
-from .ngram import SuffixStore
-from .routing import Router
-from .sampling import SamplingParams, TokenSelector
-from .stats import GenerationStats
+from early_exit_router import __version__
+from early_exit_router.config import MODES, RouterConfig
+from early_exit_router.integrations.hf_generate import RoutedGenerate
+from early_exit_router.models import _compat
+from early_exit_router.models.architecture import LayerStack
+from early_exit_router.models.discovery import stack_for
+from early_exit_router.models.loading import load_base_model, resolve_alias, shipped_checkpoint
+from early_exit_router.runtime.batch_engine import BatchEngine, combined_stats
+from early_exit_router.runtime.checkpoint import (
+    BaseModelIdentity,
+    head_fingerprint,
+    head_hash,
+    is_router_dir,
+    load_router,
+    save_router,
+)
+from early_exit_router.runtime.costs import CostModel, cost_key, cost_model_for
+from early_exit_router.runtime.engine import DecodeRequest, Engine
+from early_exit_router.runtime.heads import DRAFT_RANKING, ExitHeads
+from early_exit_router.runtime.ngram import SuffixStore
+from early_exit_router.runtime.routing import Router
+from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+from early_exit_router.stats import GenerationStats
 
 ROUTER_ATTR = "_early_exit_router"  # back-reference, to refuse patching one model twice
 GENERATE_ATTR = "generate"  # instance attribute: model.generate() routes through the router

@@ -135,7 +135,7 @@ def cost_key(stack: Any, draft_vocab_size: int, max_chunk: int) -> dict[str, Any
     """What the measured costs depend on: the model's shape, the device, dtype, threads and library versions."""
     import transformers
 
-    from . import __version__
+    from early_exit_router import __version__
 
     cfg = stack.config
     device = stack.device
@@ -161,7 +161,7 @@ def cost_key(stack: Any, draft_vocab_size: int, max_chunk: int) -> dict[str, Any
 
 
 def cache_path(key: dict[str, Any]) -> Path:
-    from .models import cache_root
+    from early_exit_router.models.loading import cache_root
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_root() / "costs" / f"{digest}.json"
@@ -225,8 +225,8 @@ def measure(
     The chunk lengths are swept `rounds` times, interleaved, and each entry is the median of its rounds' medians:
     a transient slowdown (another process, a kernel's first call at a new shape) then spoils one round of a few
     entries, not the table. A real plain decoding step is timed too, as a check printed beside the table."""
-    from ._compat import crop_cache_layer, prepare_for_rollback
-    from .heads import draft_logits
+    from early_exit_router.models._compat import crop_cache_layer, prepare_for_rollback
+    from early_exit_router.runtime.heads import draft_logits
 
     device, dtype, hidden = stack.device, stack.dtype, stack.hidden_size
     timed = _timer(device, reps)

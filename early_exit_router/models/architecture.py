@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _compat
+from early_exit_router.models import _compat
 
 POSITION_STYLES = ("rotary_shared", "rotary_per_layer_type", "learned")
 MASK_RULES = ("full", "layer_types", "sliding_window_config")
@@ -63,7 +63,7 @@ def _patch_files() -> list[tuple[str, str]]:
             return found
     except ModuleNotFoundError:
         pass
-    checkout = Path(__file__).resolve().parent.parent / "patches"
+    checkout = Path(__file__).resolve().parents[2] / "patches"
     return [(p.name, p.read_text()) for p in sorted(checkout.glob("*.json"))]
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import RouterConfig
+from early_exit_router.config import RouterConfig
 
 FULL_DEPTH = -1  # block target meaning "the full model"
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .architecture import dense
+from early_exit_router.models.architecture import dense
 
 DRAFT_RANKING = "draft_ranking"  # state_dict key of ExitHeads' token ranking for the trimmed draft head
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from .architecture import dense
-from .costs import CostModel
-from .heads import exit_normed, make_adapter
-from .policy import DraftPolicy
-from .training import HiddenStateCache, distillation_loss
+from early_exit_router.models.architecture import dense
+from early_exit_router.runtime.costs import CostModel
+from early_exit_router.runtime.heads import exit_normed, make_adapter
+from early_exit_router.runtime.policy import DraftPolicy
+from early_exit_router.tools.training import HiddenStateCache, distillation_loss
 
 
 @dataclass

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .config import RouterConfig
-from .routing import Router
-from .training import HiddenStateCache, head_logits, teacher_top1
+from early_exit_router.config import RouterConfig
+from early_exit_router.runtime.routing import Router
+from early_exit_router.tools.training import HiddenStateCache, head_logits, teacher_top1
 
 
 @dataclass

@@ -136,7 +136,7 @@ def _batch(tokenizer: Any, texts: list[str], router: Any) -> tuple[torch.Tensor,
 
 
 def _request_stub(router: Any) -> Any:
-    from .engine import DecodeRequest
+    from early_exit_router.runtime.engine import DecodeRequest
 
     return DecodeRequest(mode="verify", max_new_tokens=1, eos_token_ids=frozenset(router._eos_ids(None)))
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .heads import LearnedGate, draft_token_ranking, exit_logits
+from early_exit_router.runtime.heads import LearnedGate, draft_token_ranking, exit_logits
 
 
 @dataclass
@@ -275,7 +275,7 @@ def corpus_sequences(
     progress: bool = True,
 ) -> tuple[list[list[int]], dict[str, Any]]:
     """Token sequences to train on (the model's own answers, repeated, then package READMEs) and their manifest."""
-    from .corpus import load_prompts, package_descriptions, self_generated
+    from early_exit_router.tools.corpus import load_prompts, package_descriptions, self_generated
 
     tokenizer = router.tokenizer
     if tokenizer is None:
@@ -326,7 +326,7 @@ def distill_router(
     With `target_agreement`, `high_conf_threshold` is set to the lowest value whose replayed cascade keeps that
     agreement on the held-out positions.
     """
-    from .head_report import as_dicts, exit_signals, quality_table, suggest_high_threshold
+    from early_exit_router.tools.head_report import as_dicts, exit_signals, quality_table, suggest_high_threshold
 
     start = time.perf_counter()
     cache = build_cache(router._stack, router.heads.exit_layers, sequences, cfg.chunk_len, progress=progress)

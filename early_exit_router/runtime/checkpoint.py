@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import RouterConfig
-from .heads import DRAFT_RANKING
+from early_exit_router.config import RouterConfig
+from early_exit_router.runtime.heads import DRAFT_RANKING
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "early_exit_config.json"

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .app import ServerSettings, create_app
+from early_exit_router.integrations.server.app import ServerSettings, create_app
 
 ROUTING_OFF = {"active_exit_layers": [], "ngram_tier": False}  # every token at full depth, plainly
 

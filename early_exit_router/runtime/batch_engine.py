@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 
-from . import _compat
-from .architecture import LayerStack
-from .config import RouterConfig
-from .engine import DecodeRequest
-from .heads import ExitHeads, draft_logits
-from .routing import Router
-from .sampling import TokenSelector
-from .stats import GenerationStats
+from early_exit_router.config import RouterConfig
+from early_exit_router.models import _compat
+from early_exit_router.models.architecture import LayerStack
+from early_exit_router.runtime.engine import DecodeRequest
+from early_exit_router.runtime.heads import ExitHeads, draft_logits
+from early_exit_router.runtime.routing import Router
+from early_exit_router.runtime.sampling import TokenSelector
+from early_exit_router.stats import GenerationStats
 
 MIN_EXIT_RATE = 0.1  # cost policy: below this share of consultations that exit, an exit is only probed
 WARMUP = 8  # consultations before that rule applies
@@ -297,11 +297,11 @@ class BatchDecode:
         drafts = self.seq[:, chunk_start + 1 : chunk_start + 1 + n_drafts]  # (b, n_drafts)
         matches = (logits[:, :n_drafts].argmax(dim=-1) == drafts).cpu()  # the full model's verdict per draft
         active = [not row.done for row in self.rows]
+        for r, row in enumerate(self.rows):  # agreement, in both modes: the deep verdict on each early token
+            if active[r]:
+                row.checked += n_drafts
+                row.agreed += int(matches[r].sum())
         if self.mode == "exit":
-            for r, row in enumerate(self.rows):
-                if active[r]:
-                    row.checked += n_drafts
-                    row.agreed += int(matches[r].sum())
             if has_current:
                 self._append(self._choose(self.seq[:, : chunk_start + m], logits[:, -1]), self.full_layer)
             return

@@ -25,16 +25,16 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from . import _compat
-from .architecture import LayerStack
-from .config import RouterConfig
-from .costs import CostModel
-from .heads import ExitHeads, draft_logits
-from .ngram import SuffixStore, ngram_match
-from .policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
-from .routing import FULL_DEPTH, Router, RoutingState
-from .sampling import TokenSelector
-from .stats import GenerationStats
+from early_exit_router.config import RouterConfig
+from early_exit_router.models import _compat
+from early_exit_router.models.architecture import LayerStack
+from early_exit_router.runtime.costs import CostModel
+from early_exit_router.runtime.heads import ExitHeads, draft_logits
+from early_exit_router.runtime.ngram import SuffixStore, ngram_match
+from early_exit_router.runtime.policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
+from early_exit_router.runtime.routing import FULL_DEPTH, Router, RoutingState
+from early_exit_router.runtime.sampling import TokenSelector
+from early_exit_router.stats import GenerationStats
 
 logger = logging.get_logger(__name__)
 NGRAM_LAYER = -1  # exit-histogram key of the zero-layer n-gram tier

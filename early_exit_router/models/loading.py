@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .quantization import check_quantization, load_kwargs, quantize_loaded
+from early_exit_router.models.quantization import check_quantization, load_kwargs, quantize_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -171,12 +171,12 @@ def shipped_checkpoint(alias: str) -> Path | None:
         return None
     from importlib import resources
 
-    from .checkpoint import is_router_dir
+    from early_exit_router.runtime.checkpoint import is_router_dir
 
     candidates: list[Path] = []
     try:
         candidates.append(Path(str(resources.files("early_exit_router.checkpoints"))) / entry.checkpoint)
     except ModuleNotFoundError:
         pass
-    candidates.append(Path(__file__).resolve().parent.parent / "checkpoints" / entry.checkpoint)
+    candidates.append(Path(__file__).resolve().parents[2] / "checkpoints" / entry.checkpoint)
     return next((c for c in candidates if is_router_dir(c)), None)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .bench import BenchConfig, format_value, run_bench, threshold_overrides
+from early_exit_router.tools.bench import BenchConfig, format_value, run_bench, threshold_overrides
 
 DEFAULT_CANDIDATES = (0.99, 0.97, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from .. import _compat
-from ..batch_engine import BatchDecode, BatchRow
-from ..config import RouterConfig
-from ..engine import DecodeRequest, Decoding, Engine
-from ..routing import Router
-from ..sampling import SamplingParams, TokenSelector
-from ..stats import GenerationStats
+from early_exit_router.config import RouterConfig
+from early_exit_router.models import _compat
+from early_exit_router.runtime.batch_engine import BatchDecode, BatchRow
+from early_exit_router.runtime.engine import DecodeRequest, Decoding, Engine
+from early_exit_router.runtime.routing import Router
+from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+from early_exit_router.stats import GenerationStats
 
 
 class QueueFull(RuntimeError):

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .costs import CostModel
+from early_exit_router.runtime.costs import CostModel
 
 TierKey = tuple[str, int]  # ("exit", exit index) or ("ngram", match length)
 

@@ -24,8 +24,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from . import _compat
-from .architecture import ArchitectureSpec, LayerStack, architecture_table, spec_for
+from early_exit_router.models import _compat
+from early_exit_router.models.architecture import ArchitectureSpec, LayerStack, architecture_table, spec_for
 
 PROBE_LEN = 7
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9}  # relative to the largest magnitude; others: 3e-2

@@ -10,6 +10,6 @@ def serve(router: Any, settings: Any, host: str = "127.0.0.1", port: int = 8000,
     """Serve `router` over HTTP until interrupted (uvicorn, one worker process: the model is loaded once)."""
     import uvicorn
 
-    from .app import create_app
+    from early_exit_router.integrations.server.app import create_app
 
     uvicorn.run(create_app(router, settings), host=host, port=port, log_level=log_level)
