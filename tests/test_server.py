@@ -189,6 +189,10 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, smo
     long_prompt = "word " * 9000
     status, body, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 10})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    status, body, _ = post(
+        url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]}
+    )
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"  # no max_tokens: no room left
     status, body, _ = post(url, "/v1/chat/completions", {"model": MODEL, "messages": []})
     assert status == 400
     with pytest.raises(openai.BadRequestError):

@@ -160,7 +160,7 @@ def _job(router: Any, settings: ServerSettings, body: Any, ids: torch.Tensor, ma
         max_tokens = settings.default_max_tokens
         if context:
             max_tokens = min(max_tokens, context - ids.shape[1])
-    if context and ids.shape[1] + max_tokens > context:
+    if context and (ids.shape[1] + max_tokens > context or max_tokens < 1):
         raise ApiError(
             400,
             f"This model's context is {context} tokens; the prompt has {ids.shape[1]} and max_tokens asks for "

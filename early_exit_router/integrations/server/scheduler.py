@@ -310,15 +310,7 @@ class Scheduler:
                     if job.cancelled.is_set():
                         self.stats.requests_cancelled += 1
                         continue
-                    tracker = TextTracker(self.router.tokenizer, job.stop)
-                    request = DecodeRequest(
-                        mode=job.mode,
-                        max_new_tokens=job.max_new_tokens,
-                        eos_token_ids=self._eos,
-                        stop_strings=job.stop,
-                        streamer=_JobStreamer(job, tracker, self, prompt_seen=True),
-                        tokenizer=self.router.tokenizer,
-                    )
+                    tracker, request = self._decode_request(job, batched=True)
                     row = batch.join(job.input_ids, request, TokenSelector(job.params, self.router._stack.device))
                     group.members.append((row, job, tracker))
                     self.stats.requests_batched += 1
@@ -345,19 +337,24 @@ class Scheduler:
             group.batch = BatchDecode(batch.stack, batch.heads, batch.router, batch.config, batch.mode,
                                       batch.pad_token_id)  # fmt: skip
 
-    def _admit(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            self.stats.requests_cancelled += 1
-            return
+    def _decode_request(self, job: Job, batched: bool) -> tuple[TextTracker, DecodeRequest]:
+        """The engine's request for a job, streaming through a text tracker to the job's queue."""
         tracker = TextTracker(self.router.tokenizer, job.stop)
         request = DecodeRequest(
             mode=job.mode,
             max_new_tokens=job.max_new_tokens,
-            eos_token_ids=frozenset(self.router._eos_ids(None)),
+            eos_token_ids=self._eos,
             stop_strings=job.stop,
-            streamer=_JobStreamer(job, tracker, self),
+            streamer=_JobStreamer(job, tracker, self, prompt_seen=batched),  # only one sequence's engine puts it
             tokenizer=self.router.tokenizer,
         )
+        return tracker, request
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self.stats.requests_cancelled += 1
+            return
+        tracker, request = self._decode_request(job, batched=False)
         try:
             with self.router.lock:
                 engine = self.router.engine(job.config)
