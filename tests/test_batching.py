@@ -227,3 +227,26 @@ def test_under_the_cost_policy_a_batch_stops_asking_exits_that_never_fire(monkey
     fixed = router.generate(ids, 40, mode="verify", attention_mask=mask, config={"policy": "fixed"})
     assert torch.equal(out.sequences, fixed.sequences)
     assert len(calls) > bound  # the fixed cascade asks both exits at every step
+
+
+def test_drafts_are_judged_after_the_logits_processors():
+    """Verify mode accepts a draft only if it is what the processed scores choose (as HF picks its token), not the
+    raw argmax: a processor that bans the raw winner must change the verdict."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from early_exit_router.runtime.batch_engine import BatchDecode, BatchRow
+    from early_exit_router.runtime.engine import DecodeRequest
+    from early_exit_router.runtime.routing import Router
+    from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+
+    class Ban(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores.index_fill(1, torch.tensor([5]), float("-inf"))
+
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **MIXED)
+    batch = BatchDecode(router._stack, router.heads, Router(router.config, VOCAB), router.config, "verify", PAD)
+    selector = TokenSelector(SamplingParams(), torch.device("cpu"), LogitsProcessorList([Ban()]))
+    batch.rows = [BatchRow(DecodeRequest(mode="verify", max_new_tokens=4), selector, 2) for _ in range(2)]
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5], logits[:, 7] = 9.0, 3.0  # raw winner 5 is banned: the processed choice is 7
+    assert batch._greedy(torch.ones(2, 3, dtype=torch.long), logits).tolist() == [7, 7]

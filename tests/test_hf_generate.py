@@ -123,19 +123,20 @@ def test_modes_the_router_does_not_serve_run_plain_hf_generation(kwargs):
     assert torch.equal(out, plain.generate(ids, max_new_tokens=10, **kwargs))
 
 
+@pytest.mark.parametrize("penalty", [1.0, 1.5], ids=["no processor", "repetition penalty"])
 @pytest.mark.parametrize("mode", ["verify", "exit"])
-def test_a_left_padded_batch_is_routed_and_verify_equals_hf(mode):
+def test_a_left_padded_batch_is_routed_and_verify_equals_hf(mode, penalty):
     model = tiny_llama(5)
-    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **dict(MIXED, high_conf_threshold=0.0))
     ids = torch.cat([prompt(5), prompt(6)])
     mask = torch.ones_like(ids)
     ids[0, :2], mask[0, :2] = 0, 0  # row 0 is two tokens shorter, padded on the left
-    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0, early_exit_mode=mode)
-    out = model.generate(ids, attention_mask=mask, generation_config=config)
-    assert router.last_stats is not None and router.last_stats.new_tokens == 16  # routed, both rows
-    if mode == "verify":
-        plain = plain_generate(5, ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert torch.equal(out, plain)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, repetition_penalty=penalty)
+    out = model.generate(ids, attention_mask=mask, generation_config=GenerationConfig(**kwargs, early_exit_mode=mode))
+    assert router.last_stats is not None and router.last_stats.new_tokens == 24  # routed, both rows
+    assert router.last_stats.hit_rate > 0 or router.last_stats.rejected_drafts > 0  # and drafts were made
+    if mode == "verify":  # the drafts are judged after the processors, as HF chooses its tokens
+        assert torch.equal(out, plain_generate(5, ids, attention_mask=mask, **kwargs))
 
 
 def test_a_batch_asking_for_scores_runs_plain_hf_generation():

@@ -295,7 +295,14 @@ class BatchDecode:
         self.deep_len = chunk_start + m
         logits = self._checked(self.stack.logits(hidden))  # (b, m, vocab)
         drafts = self.seq[:, chunk_start + 1 : chunk_start + 1 + n_drafts]  # (b, n_drafts)
-        matches = (logits[:, :n_drafts].argmax(dim=-1) == drafts).cpu()  # the full model's verdict per draft
+        # The full model's greedy choice at each draft position, after the rows' logits processors (each sees the
+        # prefix before its position), as the token would have been chosen without drafting.
+        chosen = (
+            torch.stack([self._greedy(self.seq[:, : chunk_start + j + 1], logits[:, j]) for j in range(n_drafts)], 1)
+            if n_drafts
+            else drafts
+        )
+        matches = (chosen == drafts).cpu()  # the full model's verdict per draft
         active = [not row.done for row in self.rows]
         for r, row in enumerate(self.rows):  # agreement, in both modes: the deep verdict on each early token
             if active[r]:
@@ -329,6 +336,18 @@ class BatchDecode:
         if all(r.selector is first for r in self.rows) or all(_plain_greedy(r.selector) for r in self.rows):
             return first.choose(input_ids, logits).reshape(-1)
         return torch.cat([r.selector.choose(input_ids[k : k + 1], logits[k : k + 1]).reshape(1)
+                          for k, r in enumerate(self.rows)])  # fmt: skip
+
+    def _greedy(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """(b, vocab) -> (b,) argmax of each row's processed scores (raw logits when no row has processors).
+
+        Rows sharing one selector are scored as one batch: HF's processors keep per-batch state."""
+        if all(not r.selector.processors for r in self.rows):
+            return logits.argmax(dim=-1)
+        first = self.rows[0].selector
+        if all(r.selector is first for r in self.rows):
+            return first.scores(input_ids, logits).argmax(dim=-1)
+        return torch.cat([r.selector.scores(input_ids[k : k + 1], logits[k : k + 1]).argmax(dim=-1)
                           for k, r in enumerate(self.rows)])  # fmt: skip
 
     def _append(self, token: torch.Tensor, layer: int) -> None:
