@@ -19,6 +19,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from early_exit_router import EarlyExitRouter  # noqa: E402
 from early_exit_router.integrations.server.app import ServerSettings, create_app  # noqa: E402
+from early_exit_router.integrations.server.loadtest import running_server as serving  # noqa: E402
 from early_exit_router.integrations.server.scheduler import TextTracker  # noqa: E402
 
 pytestmark = pytest.mark.real_model
@@ -32,21 +33,10 @@ def smol():
 
 @contextmanager
 def running_server(router, **settings):
-    """A uvicorn server on a free loopback port, in a thread; yields its base URL."""
+    """The server on a free loopback port (the load test's helper); yields its base URL and the app."""
     app = create_app(router, ServerSettings(model_name=MODEL, **settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with serving(app) as url:
+        yield url, app
 
 
 @pytest.fixture(scope="module")

@@ -114,11 +114,6 @@ class Decoding:
     prefill_s: float
     done: bool = False
 
-    @property
-    def new_tokens(self) -> list[int]:
-        """The tokens generated so far (drafts that await verification included)."""
-        return self.state.tokens[self.state.prompt_len :]
-
 
 class Engine:
     """Runs generation for one wrapped model with its exit heads and router."""

@@ -6,7 +6,7 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -430,19 +430,20 @@ class EarlyExitRouter:
                 attention_mask,
                 request,
                 selector,
-                self._pad_token_id(request) if pad_token_id is None else pad_token_id,
+                self.pad_token_id(request.eos_token_ids) if pad_token_id is None else pad_token_id,
             )
         return GenerationOutput(sequences, combined_stats(rows), None, cache, depths, rows)
 
-    def _pad_token_id(self, request: DecodeRequest) -> int:
-        """What finished rows of a batch are filled with: the tokenizer's or the model's pad token, else EOS."""
+    def pad_token_id(self, eos_token_ids: Iterable[int] = ()) -> int:
+        """What finished rows of a batch are filled with: the tokenizer's or the model's pad token, else the
+        smallest of `eos_token_ids` (HF's fallback), else 0."""
         for candidate in (
             getattr(self.tokenizer, "pad_token_id", None),
             getattr(self._model.generation_config, "pad_token_id", None),
         ):
             if isinstance(candidate, int):
                 return candidate
-        return min(request.eos_token_ids) if request.eos_token_ids else 0
+        return min(eos_token_ids, default=0)
 
     def call_config(self, config: RouterConfig | Mapping[str, Any] | None = None) -> RouterConfig:
         """The routing config of one call: the router's, another `RouterConfig`, or the router's with the fields in

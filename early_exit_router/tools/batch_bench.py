@@ -89,7 +89,7 @@ def run_batch_bench(router: Any, prompts: Sequence[dict], cfg: BatchBenchConfig 
         "router_config": router.config.to_dict(),
     }
     result = BatchBenchResult(meta)
-    pad_id = router._pad_token_id(_request_stub(router))
+    pad_id = router.pad_token_id(router._eos_ids(None))
     _run(router, *_batch(tokenizer, texts[:1], router), min(4, cfg.max_new_tokens), pad_id, ARMS)  # warm up
     for b in cfg.batch_sizes:
         ids, mask = _batch(tokenizer, [texts[k % len(texts)] for k in range(b)], router)
@@ -133,12 +133,6 @@ def _batch(tokenizer: Any, texts: list[str], router: Any) -> tuple[torch.Tensor,
         tokenizer.padding_side, tokenizer.pad_token = side, pad
     device = router._stack.device
     return enc.input_ids.to(device), enc.attention_mask.to(device)
-
-
-def _request_stub(router: Any) -> Any:
-    from early_exit_router.runtime.engine import DecodeRequest
-
-    return DecodeRequest(mode="verify", max_new_tokens=1, eos_token_ids=frozenset(router._eos_ids(None)))
 
 
 def _run(router: Any, ids, mask, n: int, pad_id: int, order: Sequence[str]) -> dict[str, tuple[float, Any, Any]]:

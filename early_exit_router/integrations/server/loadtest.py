@@ -80,11 +80,11 @@ class LoadtestResult:
 
 
 @contextmanager
-def running_server(router: Any, settings: ServerSettings) -> Iterator[str]:
-    """The app served by uvicorn on a free loopback port, in a thread; yields its base URL."""
+def running_server(app: Any) -> Iterator[str]:
+    """`app` served by uvicorn on a free loopback port, in a thread; yields its base URL."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(create_app(router, settings), host="127.0.0.1", port=0, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 60
@@ -119,7 +119,7 @@ def run_loadtest(router: Any, prompts: Sequence[str], cfg: LoadtestConfig | None
         )  # fmt: skip
         # Each arm starts with an empty n-gram store: the runs before it (and the checks) hold the same answers.
         router.clear_ngram_store()
-        with running_server(router, settings) as url:
+        with running_server(create_app(router, settings)) as url:
             arms.append(_load(router, url, name, arm, prompts, cfg, overrides))
     meta = {"model": router.describe(), **asdict(cfg)}
     return LoadtestResult(meta, arms)

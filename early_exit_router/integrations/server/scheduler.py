@@ -181,7 +181,6 @@ class SchedulerStats:
     checked_tokens: int = 0
     agreed_tokens: float = 0.0
     plain_steps: float = 0.0
-    decode_seconds: float = 0.0
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))  # (time, tokens)
 
     def tokens_per_s(self, window_s: float = 60.0) -> float:
@@ -290,9 +289,8 @@ class Scheduler:
         group = self._groups.get(job.mode)
         if group is None:
             cfg = self.base_config
-            pad = self.router._pad_token_id(DecodeRequest(mode=job.mode, max_new_tokens=1, eos_token_ids=self._eos))
             batch = BatchDecode(self.router._stack, self.router.heads, Router(cfg, self.router._stack.vocab_size),
-                                cfg, job.mode, pad)  # fmt: skip
+                                cfg, job.mode, self.router.pad_token_id(self._eos))  # fmt: skip
             group = self._groups[job.mode] = _Group(batch)
         return group
 
@@ -406,5 +404,4 @@ class Scheduler:
         s.checked_tokens += stats.exited_checked
         s.agreed_tokens += (stats.agreement or 0.0) * stats.exited_checked
         s.plain_steps += stats.plain_share * stats.new_tokens
-        s.decode_seconds += stats.wall_time_s
         s.recent.append((time.time(), stats.new_tokens))
