@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="Folder to save the trained router into.")
     train.add_argument("--max-tokens", type=int, default=120_000, help="Corpus size in tokens (default: %(default)s).")
     train.add_argument("--max-steps", type=int, default=600, help="Optimiser steps (default: %(default)s).")
+    train.add_argument(
+        "--max-seconds", type=float, default=None, help="A wall-clock training budget instead of --max-steps."
+    )
     train.add_argument("--batch-tokens", type=int, default=512, help="Positions per step (default: %(default)s).")
     train.add_argument("--lr", type=float, default=2e-3, help="Learning rate (default: %(default)s).")
     train.add_argument("--ce-weight", type=float, default=0.0, help="Weight of next-token cross-entropy.")
@@ -135,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--self-gen-tokens", type=int, default=96, help="Answer length per training prompt; 0 skips self-generation."
     )
     train.add_argument("--prompts", default=None, help="JSONL of training prompts (default: the shipped set).")
+    train.add_argument(
+        "--generated-prompts",
+        type=int,
+        default=0,
+        help="Also answer this many prompts built offline (templates, package summaries, text to continue).",
+    )
+    train.add_argument("--sampled", action="store_true", help="Also add one sampled answer to every prompt.")
     train.add_argument("--no-docs", action="store_true", help="Do not train on installed packages' READMEs.")
     train.add_argument("--no-gates", action="store_true", help="Do not fit learned gates.")
     train.add_argument(
@@ -264,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     survey.add_argument(
         "--adapter",
         default="postnorm",
-        choices=["identity", "linear", "lowrank", "postnorm"],
+        choices=list(ADAPTER_KINDS),
         help="Adapter kind to fit (default: %(default)s).",
     )
     survey.add_argument("--steps", type=int, default=300, help="Optimiser steps per layer (default: %(default)s).")
@@ -347,8 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
         "export-draft",
         help="Write one exit (its first layers, norm and LM head with the adapter folded in) as an HF checkpoint.",
         description="Export exit layer E as a standalone HF model of E + 1 layers in the base architecture, for "
-        "serving engines that take a separate draft model (vLLM draft_model, SGLang STANDALONE). The adapter must "
-        "fold exactly: 'postnorm' or 'identity' heads.",
+        "serving engines that take a separate draft model (vLLM draft_model, SGLang STANDALONE; a 'block' head adds "
+        "its block as layer E + 1). The adapter must fold exactly: 'postnorm', 'block' or 'identity' heads.",
     )
     export.add_argument("--model", default=DEFAULT_MODEL, help="Alias or saved router folder with the heads.")
     export.add_argument("--exit-layer", type=int, required=True, help="The exit to export (0-based layer index).")
@@ -444,11 +454,24 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     router = EarlyExitRouter.from_pretrained(args.model, fresh_heads=True, **overrides)
     print(router.describe(), file=sys.stderr)
     cfg = TrainingConfig(
-        max_steps=args.max_steps, batch_tokens=args.batch_tokens, lr=args.lr, ce_weight=args.ce_weight, seed=args.seed
+        max_steps=args.max_steps,
+        max_seconds=args.max_seconds,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr,
+        ce_weight=args.ce_weight,
+        seed=args.seed,
     )
     start = time.perf_counter()
     sequences, manifest = corpus_sequences(
-        router, args.max_tokens, args.self_gen_tokens, args.prompts, use_docs=not args.no_docs, progress=not args.quiet
+        router,
+        args.max_tokens,
+        args.self_gen_tokens,
+        args.prompts,
+        use_docs=not args.no_docs,
+        progress=not args.quiet,
+        extra_prompts=args.generated_prompts,
+        sampled=args.sampled,
+        seed=args.seed,
     )
     result = distill_router(
         router,

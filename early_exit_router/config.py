@@ -11,7 +11,7 @@ from typing import Any
 
 MODES = ("exit", "verify")
 POLICIES = ("cost", "fixed")
-ADAPTER_KINDS = ("identity", "linear", "lowrank", "postnorm")
+ADAPTER_KINDS = ("identity", "linear", "lowrank", "postnorm", "block")
 
 
 @dataclass
@@ -71,6 +71,14 @@ class RouterConfig:
     acceptance_prior: float = field(
         default=0.5,
         metadata={"help": "Cost policy: the acceptance estimate of a tier before any verdict (in [0, 1])."},
+    )
+    exit_acceptance_prior: float | None = field(
+        default=None,
+        metadata={
+            "help": "Cost policy: the exits' acceptance estimate before any verdict (in [0, 1]; None: "
+            "acceptance_prior). Below an exit's break-even, the policy drafts from it only once shadow probes "
+            "have seen it right often enough."
+        },
     )
     high_conf_threshold: float = field(
         default=0.9,
@@ -135,7 +143,9 @@ class RouterConfig:
         metadata={
             "help": "Exit adapter kind: 'identity' (logit lens, no parameters), 'linear' (residual full-rank "
             "affine before the final norm, tuned-lens style), 'lowrank' (residual low-rank) or 'postnorm' "
-            "(residual full-rank map after the final norm; export-draft folds it exactly into the LM head)."
+            "(residual full-rank map after the final norm; export-draft folds it exactly into the LM head) or "
+            "'block' (one decoder block at the exit, a trained copy of the next layer with a KV cache of its own, "
+            "as in Kangaroo; export-draft keeps it as the draft model's last layer)."
         },
     )
     adapter_rank: int = field(
@@ -248,6 +258,8 @@ class RouterConfig:
             _check_unit_interval(name, getattr(self, name))
         if self.controller_target is not None:
             _check_unit_interval("controller_target", self.controller_target)
+        if self.exit_acceptance_prior is not None:
+            _check_unit_interval("exit_acceptance_prior", self.exit_acceptance_prior)
         if not 0 < self.controller_step <= 1:
             raise ValueError(f"controller_step must be in (0, 1], got {self.controller_step!r}.")
         if self.low_conf_threshold > self.high_conf_threshold:

@@ -258,3 +258,21 @@ def test_padded_chunks_keep_verify_exact_and_the_cache_equal_to_a_full_pass(fami
     if mode == "verify":
         assert torch.equal(out.sequences, ref)
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_an_exit_prior_below_break_even_keeps_the_exits_off_until_evidence():
+    tracker = AcceptanceTracker(prior=0.5, kind_priors={"exit": 0.1})
+    assert tracker.estimate(("exit", 0)) == 0.1 and tracker.estimate(("ngram", 2)) == 0.5
+    tracker.observe(("exit", 0), True)
+    assert tracker.estimate(("exit", 0)) == pytest.approx(0.1 + 0.15 * 0.9)
+    policy = DraftPolicy(tiny_costs()["flat"], [1, 3], [False, False])
+    assert policy.plan(AcceptanceTracker(prior=0.5), 8, [], 0).kind == "exit"  # flat costs: drafting pays at 0.5
+    assert policy.plan(AcceptanceTracker(prior=0.5, kind_priors={"exit": 0.0}), 8, [], 0).kind == "plain"
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], ngram_tier=False, exit_acceptance_prior=0.0)
+    router.cost_model = tiny_costs()["flat"]
+    ids = prompt(0)
+    out = router.generate(ids, max_new_tokens=3, mode="verify")
+    assert "exit L1" not in out.stats.policy_cycles and "exit L3" not in out.stats.policy_cycles
+    assert torch.equal(out.sequences, tiny_llama(0).generate(ids, max_new_tokens=3, do_sample=False))
+    with pytest.raises(ValueError, match="exit_acceptance_prior"):
+        router.call_config({"exit_acceptance_prior": 1.5})

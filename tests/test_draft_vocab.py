@@ -81,11 +81,12 @@ def test_coverage_and_break_even():
     assert 0.0 < flat < steep <= 1.0  # drafting pays at lower acceptance where extra positions are cheap
 
 
-def test_survey_fits_every_layer_and_leaves_the_router_heads_alone():
+@pytest.mark.parametrize("adapter", ["postnorm", "block"])
+def test_survey_fits_every_layer_and_leaves_the_router_heads_alone(adapter):
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **RANKED)
     before = {k: v.clone() for k, v in router.heads.state_dict().items()}
     cache = build_cache(router._stack, [0, 1, 2, 3, 4], corpus(), chunk_len=64, progress=False)
-    rows = survey_exits(router, cache, tiny_costs()["flat"], steps=5, batch_tokens=32, chunk_len=64)
+    rows = survey_exits(router, cache, tiny_costs()["flat"], adapter=adapter, steps=5, batch_tokens=32, chunk_len=64)
     assert [r.layer for r in rows] == [0, 1, 2, 3, 4]
     for r in rows:
         assert 0 <= r.lens_agreement <= 1 and 0 <= r.trained_agreement <= 1 and 0 <= r.coverage <= 1

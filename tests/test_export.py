@@ -35,16 +35,22 @@ def randomize_adapters(router: EarlyExitRouter, seed: int = 0) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2-sliding", "gemma3_text", "gpt2"])
-@pytest.mark.parametrize("adapter", ["postnorm", "identity"])
+@pytest.mark.parametrize("adapter", ["postnorm", "identity", "block"])
 def test_exported_draft_reproduces_the_exit_head(tmp_path, family, adapter):
     model = build(family, seed=1)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter=adapter)
-    randomize_adapters(router)
+    if adapter == "block":  # a trained-looking block: the copied layer, moved
+        with torch.no_grad():
+            for p in router.heads.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+    else:
+        randomize_adapters(router)
     info = export_draft(router, 3, tmp_path / "draft")
-    assert info.num_layers == 4 and info.base_layers == 6 and info.adapter == adapter
+    layers = 5 if adapter == "block" else 4  # a block exit keeps its block as the draft's last layer
+    assert info.num_layers == layers and info.base_layers == 6 and info.adapter == adapter
 
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").eval()  # plain transformers, no plugin
-    assert draft.config.num_hidden_layers == 4
+    assert draft.config.num_hidden_layers == layers
     assert not any(n.startswith("early_exit_heads") for n, _ in draft.named_parameters())
     ids = prompt(2, length=12)
     with torch.no_grad():

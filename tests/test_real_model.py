@@ -138,3 +138,23 @@ def test_cli_trains_saves_and_reports_heads_on_a_small_budget(tmp_path, capsys):
     for source in ("development prompts", "debian-licenses", "cpython-stdlib"):
         assert source in printed
     assert "| 24 |" in printed
+
+
+def test_export_draft_accepts_the_shipped_heads(smol, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from early_exit_router.runtime.heads import exit_logits
+    from early_exit_router.tools.export import export_draft
+
+    layer = smol.exit_layers[0]
+    info = export_draft(smol, layer, tmp_path / "draft")
+    assert info.adapter == smol.config.adapter and info.num_layers == layer + 1
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").eval()
+    ids = smol.encode("Name a colour.", chat=True)
+    stack = smol._stack
+    with torch.no_grad():
+        hidden = stack.run(stack.embed(ids), 0, layer + 1, None, torch.arange(ids.shape[1]).unsqueeze(0))
+        ours = exit_logits(stack, smol.heads.adapter(layer), hidden)
+        theirs = draft(ids).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-3, rtol=1e-3)
+    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))

@@ -16,7 +16,7 @@ from early_exit_router.tools.training import (
     train_heads,
 )
 
-from .conftest import MIXED, VOCAB, prompt, tiny_llama
+from .conftest import MIXED, VOCAB, prompt, tiny_llama, tiny_tokenizer
 
 
 def corpus(n_seqs: int = 12, length: int = 64, seed: int = 0) -> list[list[int]]:
@@ -28,7 +28,7 @@ def mean_kl(router, cache, layer) -> float:
     stack = router._stack
     with torch.no_grad():
         teacher = stack.unembed(cache.final_normed).float()
-        student = head_logits(stack, router.heads.adapter(layer), cache.exits[layer])
+        student = head_logits(stack, router.heads.adapter(layer), cache.exits[layer], cache.chunk_len)
         return distillation_loss(student, teacher, cache.next_token, 0.0).item()
 
 
@@ -46,7 +46,7 @@ def test_cache_holds_the_model_own_hidden_states():
     assert cache.next_token[:31].tolist() == seqs[0][1:] and cache.next_token[31] == -1
 
 
-@pytest.mark.parametrize("adapter", ["linear", "postnorm"])
+@pytest.mark.parametrize("adapter", ["linear", "lowrank", "postnorm", "block"])
 def test_a_few_steps_lower_the_distillation_loss_and_leave_the_base_frozen(adapter):
     model = tiny_llama(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -77,13 +77,18 @@ def test_cross_entropy_mixing_trains_and_changes_what_is_learned():
     assert not torch.allclose(trained[0.0], trained[0.5], atol=1e-4)  # the CE term changes the heads
 
 
-def test_gates_train_and_switching_them_off_equals_having_none():
-    model = tiny_llama(0)
-    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+def trained_router():
+    """A tiny router with trained heads, its training and held-out caches and its training config."""
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **MIXED)
     cache = build_cache(router._stack, [1, 3], corpus(), chunk_len=64, progress=False)
     train, holdout = cache.split(0.2, seed=0)
     cfg = TrainingConfig(max_steps=20, batch_tokens=128, lr=1e-2, gate_steps=50)
     train_heads(router, train, cfg, progress=False)
+    return router, train, holdout, cfg
+
+
+def test_gates_train_and_switching_them_off_equals_having_none():
+    router, train, holdout, cfg = trained_router()
     without_gates = router.generate(prompt(0), max_new_tokens=30)
     quality = train_gates(router, train, holdout, cfg)
     assert set(quality) == {1, 3}
@@ -121,3 +126,58 @@ def test_auc_and_saved_share_on_known_scores():
     assert roc_auc(torch.tensor([0.9, 0.3, 0.5, 0.1]), positive) == 0.75
     # Keeping both positives means a threshold at 0.8: the two negatives below it are skipped.
     assert saved_at_recall(torch.tensor([0.9, 0.8, 0.2, 0.1]), positive, 0.95) == 0.5
+
+
+def test_gate_context_replays_ngram_matches_and_running_acceptance():
+    from early_exit_router.tools.training import HiddenStateCache, gate_context
+
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2]
+    cache = HiddenStateCache({}, torch.zeros(8, 4), torch.tensor(tokens[1:] + [-1]), chunk_len=8)
+    features = gate_context(cache, torch.ones(8), ngram_min=2, rate=0.5)
+    # known tokens: [?, 2, 3, 1, 2, 3, 1, 2]; "2 3" recurs at 5, "3 1" at 6, "1 2" at 7
+    assert features[:, 0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert features[:, 1].tolist() == [0.5, 0.75, 0.875, 0.9375, 0.96875, 0.984375, 0.9921875, 0.99609375]
+
+
+def test_gates_with_context_train_save_and_steer_nothing_in_verify_mode(tmp_path):
+    from early_exit_router.runtime.checkpoint import load_router
+
+    router, train, holdout, cfg = trained_router()
+    model = router.model
+    quality = train_gates(router, train, holdout, cfg, context=True)
+    assert all(0 <= q["confidence_auc"] <= 1 for q in quality.values())
+    gate = router.heads.gate(1)
+    assert gate.uses_context and gate.context.weight.abs().sum() > 0  # the context weights were fitted
+    expected = model.generate(prompt(0), max_new_tokens=20, do_sample=False)
+    out = router.generate(prompt(0), max_new_tokens=20, mode="verify")
+    assert torch.equal(out.sequences, expected)
+    exit_out = router.generate(prompt(0), max_new_tokens=20, mode="exit")
+    router.save_pretrained(tmp_path / "r")
+    fresh = EarlyExitRouter._from_saved(tiny_llama(0), None, load_router(tmp_path / "r"), None, "tiny")
+    assert fresh.heads.gate(1).uses_context
+    assert torch.equal(fresh.generate(prompt(0), max_new_tokens=20, mode="exit").sequences, exit_out.sequences)
+
+
+def test_generated_prompts_are_seeded_mixed_and_never_held_out_text():
+    from early_exit_router.tools.corpus import generated_prompts
+
+    prompts = generated_prompts(120, seed=3)
+    assert prompts == generated_prompts(120, seed=3) and prompts != generated_prompts(120, seed=4)
+    assert len(prompts) == 120 and len({p["id"] for p in prompts}) == 120
+    kinds = {(p["kind"], p["category"]) for p in prompts}
+    assert {("chat", "dialogue"), ("chat", "reasoning"), ("chat", "templated")} <= kinds
+    for p in prompts:  # held out for evaluation: license texts and the standard library are never prompts
+        assert "licen" not in p["prompt"].lower() or p["kind"] == "chat"
+        assert "Licensed under the Apache License" not in p["prompt"]
+
+
+def test_sampled_self_generation_is_seeded_and_differs_from_greedy():
+    from early_exit_router.tools.corpus import self_generated
+
+    model, tokenizer = tiny_llama(0), tiny_tokenizer()
+    tokenizer.pad_token = "<unk>"  # batches are padded
+    prompts = [{"prompt": "w5 w6 w7", "kind": "text"}, {"prompt": "w9 w10", "kind": "chat"}]
+    greedy = self_generated(model, tokenizer, prompts, 12)
+    sampled = self_generated(model, tokenizer, prompts, 12, sample=True, seed=1)
+    assert sampled == self_generated(model, tokenizer, prompts, 12, sample=True, seed=1)
+    assert sampled != greedy and all(len(s) > 2 for s in sampled)

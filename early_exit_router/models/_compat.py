@@ -58,6 +58,11 @@ def new_cache(config: Any) -> DynamicCache:
     return DynamicCache(config=config)
 
 
+def new_block_cache() -> DynamicCache:
+    """An empty cache for one block adapter: plain growing layers, created as the block writes to them."""
+    return DynamicCache()
+
+
 def prepare_for_rollback(cache: DynamicCache) -> None:
     """Let sliding-window layers keep evicted states until `trim_sliding` (verify mode may roll back into them)."""
     for layer in cache.layers:

@@ -208,16 +208,36 @@ class LayerStack:
                 # Sized against this layer's cache: deep layers may hold fewer positions than shallow ones.
                 masks[kind] = _compat.build_mask(kind, self.config, hidden, cache, positions, layer_idx, attention_mask)
                 rotary[kind] = self._position_embeddings(hidden, positions, kind)
-            output = self.layers[layer_idx](
-                hidden,
-                attention_mask=masks[kind],
-                position_ids=positions,
-                position_embeddings=rotary[kind],
-                use_cache=True,
-                **{self._cache_kwarg: cache},
-            )
-            hidden = _compat.layer_output_hidden(output)
+            hidden = self._call_layer(self.layers[layer_idx], hidden, masks[kind], positions, rotary[kind], cache)
         return hidden
+
+    def run_module(
+        self,
+        layer: nn.Module,
+        kind: str,
+        hidden: torch.Tensor,
+        cache: Any,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run one decoder layer that is not the model's own (a block adapter: the model's layer class, its cache
+        at layer 0 of `cache`, or None for no cache) over a chunk, with this model's mask and positions of `kind`."""
+        mask = _compat.build_mask(kind, self.config, hidden, cache, positions, 0, attention_mask)
+        rotary = self._position_embeddings(hidden, positions, kind)
+        return self._call_layer(layer, hidden, mask, positions, rotary, cache)
+
+    def _call_layer(
+        self, layer: nn.Module, hidden: torch.Tensor, mask: Any, positions: torch.Tensor, rotary: Any, cache: Any
+    ) -> torch.Tensor:
+        output = layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            position_embeddings=rotary,
+            use_cache=cache is not None,
+            **{self._cache_kwarg: cache},
+        )
+        return _compat.layer_output_hidden(output)
 
     def _position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor, kind: str) -> Any:
         """Rotary (cos, sin) for these positions: one table for all layers, or one per layer type (Gemma3)."""

@@ -226,7 +226,7 @@ def measure(
     a transient slowdown (another process, a kernel's first call at a new shape) then spoils one round of a few
     entries, not the table. A real plain decoding step is timed too, as a check printed beside the table."""
     from early_exit_router.models._compat import crop_cache_layer, prepare_for_rollback
-    from early_exit_router.runtime.heads import draft_logits
+    from early_exit_router.runtime.heads import draft_logits, needs_context
 
     device, dtype, hidden = stack.device, stack.dtype, stack.hidden_size
     timed = _timer(device, reps)
@@ -264,6 +264,8 @@ def measure(
     row = states(1)[:, 0]
     exit_layer = heads.exit_layers[0] if heads.exit_layers else None
     adapter = heads.adapter(exit_layer) if exit_layer is not None else None
+    if needs_context(adapter):  # a block adapter costs one decoder layer: the policy adds it from the layer table
+        adapter = None
     draft = heads.draft_head(stack, draft_vocab_size) if draft_vocab_size else None
     draft_ms = timed(lambda: draft_logits(stack, adapter, draft, row)) if exit_layer is not None else 0.0
     gate = heads.gate(exit_layer) if exit_layer is not None else None

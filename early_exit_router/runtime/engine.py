@@ -29,7 +29,7 @@ from early_exit_router.config import RouterConfig
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.runtime.costs import CostModel
-from early_exit_router.runtime.heads import ExitHeads, draft_logits
+from early_exit_router.runtime.heads import BlockContext, ExitHeads, draft_logits, gate_probability, needs_context
 from early_exit_router.runtime.ngram import SuffixStore, ngram_match
 from early_exit_router.runtime.policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
 from early_exit_router.runtime.routing import FULL_DEPTH, Router, RoutingState
@@ -92,6 +92,7 @@ class SequenceState:
     probes: int = 0
     exited_seen: int = 0  # exit mode: exited tokens the deep layers have seen (checked or not)
     plan_counts: dict[str, int] = field(default_factory=dict)
+    blocks: dict[int, BlockContext] = field(default_factory=dict)  # exit index -> its block adapter's context
 
     @property
     def new_tokens(self) -> int:
@@ -135,12 +136,18 @@ class Engine:
         # segment s runs layers [starts[s], starts[s + 1])
         self.starts = [0] + [e + 1 for e in self.exits] + [stack.num_layers]
         self.full_layer = stack.num_layers - 1
+        # exits whose adapter is a block with its own KV cache: every position's state there is kept for it
+        self.block_exits = {i for i, e in enumerate(self.exits) if needs_context(heads.adapter(e))}
         self.draft = heads.draft_head(stack, config.draft_vocab_size)
         self.store = store if config.ngram_tier else None
         self.costs = costs  # when set, chunks and head rows are padded to the cheapest measured length
         self.policy: DraftPolicy | None = None
         if config.policy == "cost" and costs is not None:
             self.policy = DraftPolicy.for_config(costs, config, heads)
+
+    def _kind_priors(self) -> dict[str, float]:
+        prior = self.config.exit_acceptance_prior
+        return {} if prior is None else {"exit": prior}
 
     def tier_layer(self, tier: int) -> int:
         """The histogram key of a draft tier: its exit layer, or NGRAM_LAYER for the n-gram tier."""
@@ -214,13 +221,21 @@ class Engine:
             checked_by_exit=[0] * (len(self.exits) + 1),  # one slot per exit, then the n-gram tier
             agreed_by_exit=[0] * (len(self.exits) + 1),
             verifying=request.mode == "verify",
-            tracker=AcceptanceTracker(prior=self.config.acceptance_prior),
+            tracker=AcceptanceTracker(prior=self.config.acceptance_prior, kind_priors=self._kind_priors()),
+            blocks={i: BlockContext() for i in self.block_exits},
         )
         may_crop = self.config.ngram_tier and not self.config.ngram_unverified
         if request.mode == "verify" or may_crop or self.costs is not None:
             _compat.prepare_for_rollback(state.cache)
         positions = torch.arange(n, device=stack.device).unsqueeze(0)
-        hidden = stack.run(stack.embed(input_ids), 0, stack.num_layers, state.cache, positions)
+        hidden = stack.embed(input_ids)
+        i = 0
+        while i <= len(self.exits):  # every layer, stopping only where a block adapter needs the states
+            last = self._range_end(state, i, set())
+            hidden = stack.run(hidden, self.starts[i], self.starts[last + 1], state.cache, positions)
+            if last in state.blocks:
+                state.blocks[last].push(hidden, 0, stack, self.heads.adapter(self.exits[last]))
+            i = last + 1
         logits = self._head(hidden[:, -1:])[:, -1]  # (1, vocab): only the last position's prediction is needed
         state.deep_len = n
         if request.streamer is not None:
@@ -285,7 +300,19 @@ class Engine:
         positions = torch.arange(chunk_start, end, device=self.stack.device).unsqueeze(0)
         pad_to = self.costs.layer_pad(hidden.shape[1]) if self.costs is not None else 0
         out = self.stack.run(hidden, self.starts[i], self.starts[last + 1], state.cache, positions, pad_to)
+        if last in state.blocks:  # the block adapter at this exit sees every position once, in order
+            state.blocks[last].push(out, chunk_start, self.stack, self.heads.adapter(self.exits[last]))
         return out, chunk_start
+
+    def _range_end(self, state: SequenceState, i: int, stops: set[int]) -> int:
+        """The last segment one layer range starting at segment `i` may cover: it ends at an exit in `stops`, at
+        a block adapter's exit (the block needs every position's state there) and before waiting positions."""
+        last = i
+        while last < len(self.exits) and last not in stops and last not in state.blocks:
+            if state.buffers[last + 1] is not None:
+                break
+            last += 1
+        return last
 
     def _planned_step(self, state: SequenceState, request: DecodeRequest, selector: TokenSelector) -> None:
         """Verify mode under the cost policy: one step of the current draft cycle (see `policy.py`).
@@ -314,9 +341,7 @@ class Engine:
         chunk_start = q
         i = 0
         while i <= len(self.exits):
-            last = i
-            while last < len(self.exits) and last not in stops and state.buffers[last + 1] is None:
-                last += 1
+            last = self._range_end(state, i, stops)
             hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, q + 1, last)
             i = last + 1
             if last == len(self.exits):
@@ -358,17 +383,21 @@ class Engine:
         """Shadow tokens: would each exit have drafted `deep_token` from the hidden state this step computed?"""
         t0 = time.perf_counter()
         state.probes += 1
-        signals = []
+        probed, signals = [], []
         for i, last in shadows:
+            if i in state.blocks and state.blocks[i].end != len(state.tokens) - 1:
+                continue  # the probed position was rolled back: nothing to ask the block about
             layer = self.exits[i]
-            logits = draft_logits(self.stack, self.heads.adapter(layer), self.draft, last)  # (1, vocab)
+            logits = self._draft_logits(state, i, last)  # (1, vocab)
             flag, _ = self.router.head_signal(logits[0], state.routing.threshold_shift)
             gate = self.heads.gate(layer) if self.config.use_gate else None
             if gate is not None:
-                flag = flag & self.router.gate_allows(gate(last))[0]
+                flag = flag & self.router.gate_allows(self._gate(state, i, gate, last))[0]
+            probed.append(i)
             signals.append(flag & (logits[0].argmax() == deep_token))
-        for (i, _), ok in zip(shadows, torch.stack(signals).tolist()):  # one host sync for every exit
-            state.tracker.observe(("exit", i), bool(ok))
+        if signals:
+            for i, ok in zip(probed, torch.stack(signals).tolist()):  # one host sync for every exit
+                state.tracker.observe(("exit", i), bool(ok))
         state.routing_s += time.perf_counter() - t0
 
     def _ngram_proposal(self, state: SequenceState, budget: int) -> tuple[list[int], int]:
@@ -444,11 +473,11 @@ class Engine:
         gate = self.heads.gate(layer) if self.config.use_gate else None
         if target is None and gate is not None:
             t0 = time.perf_counter()
-            allowed = bool(router.gate_allows(gate(last)).item())
+            allowed = bool(router.gate_allows(self._gate(state, i, gate, last)).item())
             state.routing_s += time.perf_counter() - t0
             if not allowed:
                 return False
-        logits = draft_logits(self.stack, self.heads.adapter(layer), self.draft, last)  # (1, vocab)
+        logits = self._draft_logits(state, i, last)  # (1, vocab)
         # Greedy: choose before deciding, so that one host sync fetches the flag, confidence and token together.
         # Sampling: draw only once the token exits, so the generator serves emitted tokens alone (never-exit
         # sampling then draws exactly what HF sampling draws from the same seed).
@@ -476,6 +505,28 @@ class Engine:
             state.draft_probs[q] = torch.softmax(selector.scores(state.seq[:, : q + 1], logits), dim=-1)[0]
         self._append(state, token, int(token_id), layer, logits, request)
         return True
+
+    def _gate(self, state: SequenceState, i: int, gate: torch.nn.Module, last: torch.Tensor) -> torch.Tensor:
+        """Exit `i`'s gate probability (1,) for the current position: its hidden state `last` and, for a gate that
+        weighs them, the context features (`heads.GATE_CONTEXT`) as training replayed them."""
+        context = None
+        if getattr(gate, "uses_context", False):
+            cfg = self.config
+            matched = bool(ngram_match(state.tokens, cfg.ngram_min_size, 1, cfg.ngram_min_size)[0])
+            acceptance = state.tracker.estimate(("exit", i))
+            context = torch.tensor([[float(matched), acceptance]], device=last.device)
+        return gate_probability(gate, last, context)
+
+    def _draft_logits(self, state: SequenceState, i: int, last: torch.Tensor) -> torch.Tensor:
+        """Exit `i`'s draft logits (1, vocab) for the current position, whose exit state is `last` (1, hidden).
+
+        A block adapter first runs over its queued positions (the current one is the last of them)."""
+        adapter = self.heads.adapter(self.exits[i])
+        if i in state.blocks:
+            out = state.blocks[i].run(self.stack, adapter)  # the current position is always the last queued
+            assert out is not None
+            last, adapter = out[:, -1], None
+        return draft_logits(self.stack, adapter, self.draft, last)
 
     # --------------------------------------------------------------------------------------------- deep passes
     def _flush(self, state: SequenceState, request: DecodeRequest, selector: TokenSelector) -> bool:
@@ -632,6 +683,8 @@ class Engine:
         """Drop every position from `keep` on: tokens, per-token records and every layer's cache."""
         for layer_idx in range(self.stack.num_layers):
             _compat.crop_cache_layer(state.cache, layer_idx, keep)
+        for block in state.blocks.values():
+            block.rollback(keep)
         del state.tokens[keep:]
         new_keep = keep - state.prompt_len
         del state.depth[new_keep:]

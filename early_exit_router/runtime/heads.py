@@ -4,6 +4,10 @@ Adapters are zero-initialised residual maps, so an untrained head is exactly the
 (`lm_head(final_norm(h_e))`). Only the adapters (and optional learned gates) are parameters of their own: the final
 norm and LM head are the base model's, shared and never copied.
 
+The `block` adapter is one decoder block at the exit (Kangaroo's adapter): a copy of the model's own layer after
+the exit, trained to stand in for all the layers after it. Its attention needs the context, so it keeps a small KV
+cache of its own per sequence (`BlockContext`) and is run over whole chunks in training.
+
 Most adapters sit before the final norm (`lm_head(final_norm(A h))`, tuned-lens style). The `postnorm` adapter sits
 after it (`lm_head(M final_norm(h))`, no bias), which is what lets `export-draft` fold it exactly into a standalone
 checkpoint's LM head (`lm_head.weight @ M`); a map before a normalisation cannot be folded into stock modules.
@@ -11,11 +15,14 @@ checkpoint's LM head (`lm_head.weight @ M`); a map before a normalisation cannot
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from early_exit_router.models import _compat
 from early_exit_router.models.architecture import dense
 
 DRAFT_RANKING = "draft_ranking"  # state_dict key of ExitHeads' token ranking for the trimmed draft head
@@ -81,12 +88,110 @@ class PostNormAdapter(nn.Module):
         return eye + self.proj.weight
 
 
+class BlockAdapter(nn.Module):
+    """One decoder block of the model's own class at the exit, with the model's final norm and LM head after it.
+
+    Built as a copy of the layer after the exit (so that it starts as "one more layer" rather than as the logit
+    lens) and trained by self-distillation to predict the full model's next token. Its attention reads its own KV
+    cache (layer 0 of a cache of its own), never the model's.
+    """
+
+    post_norm = False
+    needs_context = True
+
+    def __init__(self, block: nn.Module, mask_kind: str) -> None:
+        super().__init__()
+        self.block = block
+        self.mask_kind = mask_kind
+        for module in block.modules():  # the block's keys and values go to layer 0 of its own cache
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = 0
+
+    def forward(
+        self, hidden: torch.Tensor, stack: Any, cache: Any = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(b, m, hidden) exit states -> (b, m, hidden). `cache` holds the block's keys and values of the positions
+        before these (None: the chunk is the whole context); `positions` (b, m) default to the ones after them."""
+        if positions is None:
+            first = 0 if cache is None else cache.get_seq_length(0)
+            positions = torch.arange(first, first + hidden.shape[1], device=hidden.device).unsqueeze(0)
+        return stack.run_module(self.block, self.mask_kind, hidden, cache, positions)
+
+
+def block_source(stack: Any) -> Callable[[int], BlockAdapter]:
+    """Makes the block adapter of exit `e`: a copy of layer e + 1 (the last layer for an exit at the last one)."""
+
+    def make(exit_layer: int) -> BlockAdapter:
+        idx = min(exit_layer + 1, stack.num_layers - 1)
+        return BlockAdapter(copy.deepcopy(stack.layers[idx]), stack.mask_kinds[idx])
+
+    return make
+
+
+def needs_context(adapter: nn.Module | None) -> bool:
+    """Whether an adapter reads the context (a block adapter), so that it runs over chunks with a cache."""
+    return bool(getattr(adapter, "needs_context", False))
+
+
+class BlockContext:
+    """A block adapter's own KV cache for one sequence, and the exit states queued for it.
+
+    Every position passes the exit once, in order: `push` queues its state, and `run` feeds the queue through the
+    block (one batched call) when a draft needs the block's output. `rollback(keep)` forgets every position from
+    `keep` on, in the cache and the queue alike, so the cache always holds exactly the block's keys and values of
+    the sequence's accepted positions, as a full pass over them would.
+    """
+
+    MAX_QUEUE = 256  # queued positions kept before they are run anyway (bounded memory when nothing drafts)
+
+    def __init__(self) -> None:
+        self.cache = _compat.new_block_cache()
+        self.seen = 0  # positions in the cache
+        self.queue: torch.Tensor | None = None  # (1, m, hidden): positions seen..seen+m-1
+
+    @property
+    def end(self) -> int:
+        return self.seen + (0 if self.queue is None else self.queue.shape[1])
+
+    def push(self, hidden: torch.Tensor, start: int, stack: Any, adapter: nn.Module) -> None:
+        """Queue exit states (1, m, hidden) of positions start..start+m-1 (which must follow the queued ones)."""
+        if start != self.end:
+            raise RuntimeError(f"Block adapter context out of step: got position {start}, expected {self.end}.")
+        self.queue = hidden if self.queue is None else torch.cat([self.queue, hidden], dim=1)
+        if self.queue.shape[1] > self.MAX_QUEUE:  # run all but the newest, which a draft may still ask about
+            newest = self.queue[:, -1:]
+            self.queue = self.queue[:, :-1]
+            self.run(stack, adapter)
+            self.queue = newest
+
+    def run(self, stack: Any, adapter: nn.Module) -> torch.Tensor | None:
+        """The block's outputs (1, m, hidden) for the queued positions, whose keys and values it now holds."""
+        if self.queue is None:
+            return None
+        positions = torch.arange(self.seen, self.end, device=self.queue.device).unsqueeze(0)
+        out = adapter(self.queue, stack, self.cache, positions)
+        self.seen, self.queue = self.end, None
+        return out
+
+    def rollback(self, keep: int) -> None:
+        if keep <= self.seen:
+            _compat.crop_cache_layer(self.cache, 0, keep)
+            self.seen, self.queue = keep, None
+        elif self.queue is not None:
+            self.queue = self.queue[:, : keep - self.seen] if keep < self.end else self.queue
+
+
 def exit_normed(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
-    """What an exit feeds its LM head: the adapter (before or after the final norm) and the final norm."""
+    """What an exit feeds its LM head: the adapter (before or after the final norm) and the final norm.
+
+    A block adapter needs the context: `hidden` is then (b, m, hidden), one chunk of consecutive positions from the
+    start of the text (as in training); the engine runs blocks through their `BlockContext` instead."""
     if adapter is None:
         return stack.final_norm(hidden)
     if getattr(adapter, "post_norm", False):
         return adapter(stack.final_norm(hidden))
+    if needs_context(adapter):
+        return stack.final_norm(adapter(hidden, stack))
     return stack.final_norm(adapter(hidden))
 
 
@@ -122,34 +227,72 @@ def draft_logits(stack: Any, adapter: nn.Module | None, draft: DraftHead | None,
     """An exit's draft logits `(..., vocab)`: the trimmed head's logits, -inf outside its token set (the full
     exit head when `draft` is None). Full-width rows keep logits processors, sampling and the speculative-sampling
     rule unchanged: a draft distribution that is zero outside the set is still a valid q."""
+    return logits_from_normed(stack, draft, exit_normed(stack, adapter, hidden))
+
+
+def logits_from_normed(stack: Any, draft: DraftHead | None, normed: torch.Tensor) -> torch.Tensor:
+    """The head's logits `(..., vocab)` for normed states: the trimmed head's (-inf outside its ids), or the full
+    LM head's when `draft` is None."""
     if draft is None:
-        return exit_logits(stack, adapter, hidden)
-    sub = stack.finish_logits(draft(exit_normed(stack, adapter, hidden)))  # (..., K)
+        return stack.unembed(normed)
+    sub = stack.finish_logits(draft(normed))  # (..., K)
     full = torch.full((*sub.shape[:-1], stack.vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
     return full.index_copy_(-1, draft.token_ids, sub)
+
+
+GATE_CONTEXT = ("ngram_match", "recent_acceptance")  # what the engine tells a gate beyond the hidden state
 
 
 class LearnedGate(nn.Module):
     """A logistic gate on the exit's hidden state: P(this exit's top-1 equals the final top-1).
 
-    It runs before the head, so a confident "no" skips the full-vocabulary projection. The hidden state is RMS
-    normalised first, so the gate is insensitive to the residual stream's growing scale with depth.
+    It runs before the head, so a confident "no" skips the draft head. The hidden state is RMS normalised first, so
+    the gate is insensitive to the residual stream's growing scale with depth. With `context=True` it also weighs
+    cheap signals the head does not see: the state's log RMS, whether the n-gram tier matched the text just before
+    (`GATE_CONTEXT[0]`), and this exit's recent acceptance (`GATE_CONTEXT[1]`, the policy's running estimate).
     """
 
-    def __init__(self, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, context: bool = False) -> None:
         super().__init__()
         self.linear = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
+        self.context = nn.Linear(1 + len(GATE_CONTEXT), 1, bias=False) if context else None
+        if self.context is not None:
+            nn.init.zeros_(self.context.weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., hidden) -> (...) probabilities."""
+    @property
+    def uses_context(self) -> bool:
+        return self.context is not None
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., hidden) [and (..., len(GATE_CONTEXT)) context features] -> (...) probabilities."""
         h = hidden.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return torch.sigmoid(self.linear(h.to(self.linear.weight.dtype)).float()).squeeze(-1)
+        ms = h.pow(2).mean(-1, keepdim=True) + 1e-6
+        h = h * torch.rsqrt(ms)
+        logit = self.linear(h.to(self.linear.weight.dtype)).float()
+        if self.context is not None:
+            if context is None:  # no context known: the neutral values (no match, acceptance 0.5)
+                context = torch.tensor([0.0, 0.5], device=h.device).expand(*h.shape[:-1], len(GATE_CONTEXT))
+            features = torch.cat([0.5 * ms.log(), context.float()], dim=-1)  # log RMS, then the context
+            logit = logit + self.context(features.to(self.context.weight.dtype)).float()
+        return torch.sigmoid(logit).squeeze(-1)
 
 
-def make_adapter(kind: str, hidden_size: int, rank: int) -> nn.Module:
+def gate_probability(gate: nn.Module, hidden: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    """A gate's probability for `hidden`: context features go only to gates that use them (custom gates take the
+    hidden state alone)."""
+    if getattr(gate, "uses_context", False):
+        return gate(hidden, context)
+    return gate(hidden)
+
+
+def make_adapter(kind: str, hidden_size: int, rank: int, block: Callable[[], BlockAdapter] | None = None) -> nn.Module:
+    """A fresh adapter of `kind`; "block" needs `block`, which builds it from the base model's layers."""
+    if kind == "block":
+        if block is None:
+            raise ValueError("A 'block' adapter is built from the base model's layers: pass block_source(stack).")
+        return block()
     if kind == "identity":
         return IdentityAdapter()
     if kind == "linear":
@@ -164,14 +307,30 @@ def make_adapter(kind: str, hidden_size: int, rank: int) -> nn.Module:
 class ExitHeads(nn.Module):
     """The adapters (and optional gates) of every exit layer, keyed by the layer index as a string."""
 
-    def __init__(self, exit_layers: list[int], hidden_size: int, adapter: str, rank: int) -> None:
+    def __init__(
+        self,
+        exit_layers: list[int],
+        hidden_size: int,
+        adapter: str,
+        rank: int,
+        blocks: Callable[[int], BlockAdapter] | None = None,
+    ) -> None:
         super().__init__()
         self.exit_layers = list(exit_layers)
-        self.adapters = nn.ModuleDict({str(e): make_adapter(adapter, hidden_size, rank) for e in exit_layers})
+        self.adapters = nn.ModuleDict(
+            {
+                str(e): make_adapter(adapter, hidden_size, rank, None if blocks is None else lambda e=e: blocks(e))
+                for e in exit_layers
+            }
+        )
         self.gates = nn.ModuleDict()
 
     def adapter(self, layer: int) -> nn.Module:
         return self.adapters[str(layer)]
+
+    def context_exits(self) -> list[int]:
+        """Exit layers whose adapter reads the context (block adapters)."""
+        return [e for e in self.exit_layers if needs_context(self.adapter(e))]
 
     def gate(self, layer: int) -> nn.Module | None:
         key = str(layer)
@@ -209,10 +368,10 @@ class ExitHeads(nn.Module):
         self.register_buffer(DRAFT_RANKING, ranking.to(device))
         self.__dict__.pop("_draft_heads", None)
 
-    def add_gates(self, hidden_size: int) -> None:
-        """Give every exit a (zero-initialised) learned gate; training fills them."""
+    def add_gates(self, hidden_size: int, context: bool = False) -> None:
+        """Give every exit a (zero-initialised) learned gate, with context features or not; training fills them."""
         for e in self.exit_layers:
-            self.gates[str(e)] = LearnedGate(hidden_size)
+            self.gates[str(e)] = LearnedGate(hidden_size, context)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

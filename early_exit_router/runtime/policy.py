@@ -44,9 +44,10 @@ class AcceptanceTracker:
     prior: float = 0.5
     rate: float = 0.15  # weight of each new verdict
     estimates: dict[TierKey, float] = field(default_factory=dict)
+    kind_priors: dict[str, float] = field(default_factory=dict)  # a tier kind's own prior ("exit": ...)
 
     def estimate(self, key: TierKey) -> float:
-        return self.estimates.get(key, self.prior)
+        return self.estimates.get(key, self.kind_priors.get(key[0], self.prior))
 
     def observe(self, key: TierKey, accepted: bool) -> None:
         a = self.estimate(key)
@@ -68,18 +69,29 @@ class Plan:
 class DraftPolicy:
     """Chooses each cycle's plan from a cost model and acceptance estimates."""
 
-    def __init__(self, costs: CostModel, exit_layers: list[int], uses_gate: list[bool], margin: float = 0.03) -> None:
+    def __init__(
+        self,
+        costs: CostModel,
+        exit_layers: list[int],
+        uses_gate: list[bool],
+        margin: float = 0.03,
+        has_block: list[bool] | None = None,
+    ) -> None:
         self.costs = costs
         self.exit_layers = list(exit_layers)
         self.uses_gate = list(uses_gate)
+        self.has_block = list(has_block) if has_block is not None else [False] * len(self.exit_layers)
         self.margin = margin
         self.plain_rate = 1.0 / costs.plain_step()
 
     @classmethod
     def for_config(cls, costs: CostModel, config: Any, heads: Any) -> DraftPolicy:
         """The policy over a router config's consulted exits (each with its gate's cost where it has one in use)."""
+        from early_exit_router.runtime.heads import needs_context
+
         exits = config.consulted_exit_layers()
-        return cls(costs, exits, [config.use_gate and heads.gate(e) is not None for e in exits])
+        gates = [config.use_gate and heads.gate(e) is not None for e in exits]
+        return cls(costs, exits, gates, has_block=[needs_context(heads.adapter(e)) for e in exits])
 
     def ngram_cycle_ms(self, d: int) -> float:
         c = self.costs
@@ -89,6 +101,8 @@ class DraftPolicy:
         c, e = self.costs, self.exit_layers[i]
         shallow = c.layers(e + 1, 1)
         per_draft = shallow + c.draft_head_ms + (c.gate_ms if self.uses_gate[i] else 0.0)
+        if self.has_block[i]:  # a block adapter is one more decoder layer per draft
+            per_draft += c.layers(1, 1)
         return d * per_draft + shallow + c.layers(c.num_layers - e - 1, d + 1) + c.head(d + 1)
 
     @staticmethod

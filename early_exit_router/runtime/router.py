@@ -32,7 +32,7 @@ from early_exit_router.runtime.checkpoint import (
 )
 from early_exit_router.runtime.costs import CostModel, cost_key, cost_model_for
 from early_exit_router.runtime.engine import DecodeRequest, Engine
-from early_exit_router.runtime.heads import DRAFT_RANKING, ExitHeads
+from early_exit_router.runtime.heads import DRAFT_RANKING, ExitHeads, block_source, needs_context
 from early_exit_router.runtime.ngram import SuffixStore
 from early_exit_router.runtime.routing import Router
 from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
@@ -130,7 +130,7 @@ class EarlyExitRouter:
         exit_layers = config.resolved_exit_layers(stack.num_layers)
         # Fresh heads are the logit lens, whatever a reused config says.
         config = config.replace(exit_layers=exit_layers, heads_trained=False)
-        heads = ExitHeads(exit_layers, stack.hidden_size, config.adapter, config.adapter_rank)
+        heads = ExitHeads(exit_layers, stack.hidden_size, config.adapter, config.adapter_rank, block_source(stack))
         heads.to(device=stack.device, dtype=stack.dtype).eval()
         name = name_or_path or getattr(model.config, "_name_or_path", "") or type(model).__name__
         router = cls(model, tokenizer, config, heads, stack, name)
@@ -190,9 +190,11 @@ class EarlyExitRouter:
         config = base_config.replace(**overrides) if overrides else base_config
         stack = stack_for(model)
         saved.identity.check_matches(_identity(stack, name))
-        heads = ExitHeads(saved.exit_layers, stack.hidden_size, config.adapter, config.adapter_rank)
-        if saved.has_gates:
-            heads.add_gates(stack.hidden_size)
+        heads = ExitHeads(
+            saved.exit_layers, stack.hidden_size, config.adapter, config.adapter_rank, block_source(stack)
+        )
+        if saved.has_gates:  # gates saved with context weights were trained with them
+            heads.add_gates(stack.hidden_size, context=any(k.endswith(".context.weight") for k in saved.tensors))
         if DRAFT_RANKING in saved.tensors:
             try:
                 heads.set_draft_token_ranking(saved.tensors[DRAFT_RANKING], stack.vocab_size)
@@ -423,6 +425,9 @@ class EarlyExitRouter:
         are filled with `pad_token_id` (default: the tokenizer's or the model's pad token, else EOS)."""
         if request.streamer is not None or request.output_logits:
             raise ValueError("Streamers and output_logits take one sequence: generate the batch row by row for them.")
+        pad = self.pad_token_id(request.eos_token_ids) if pad_token_id is None else pad_token_id
+        if not self.batch_synchronous(config):
+            return self._run_rows_alone(input_ids, attention_mask, request, selector, config, pad)
         engine = BatchEngine(self._stack, self.heads, Router(config, self._stack.vocab_size), config)
         with self.lock:
             sequences, rows, cache, depths = engine.generate(
@@ -430,9 +435,40 @@ class EarlyExitRouter:
                 attention_mask,
                 request,
                 selector,
-                self.pad_token_id(request.eos_token_ids) if pad_token_id is None else pad_token_id,
+                pad,
             )
         return GenerationOutput(sequences, combined_stats(rows), None, cache, depths, rows)
+
+    def batch_synchronous(self, config: RouterConfig | None = None) -> bool:
+        """Whether batches under `config` run in the batch-synchronous engine. Not with block adapters at the
+        consulted exits: each sequence keeps a block KV cache of its own, so rows then run one after another."""
+        config = config or self.config
+        return not any(needs_context(self.heads.adapter(e)) for e in config.consulted_exit_layers())
+
+    def _run_rows_alone(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        request: DecodeRequest,
+        selector: TokenSelector,
+        config: RouterConfig,
+        pad_token_id: int,
+    ) -> GenerationOutput:
+        """A left-padded batch decoded one row at a time (same output layout as the batch engine; no cache)."""
+        b, n = input_ids.shape
+        outputs, rows, depths = [], [], []
+        for r in range(b):
+            ids = input_ids[r : r + 1, attention_mask[r].bool()]  # (1, n_r): the row without its left padding
+            sequences, stats, _, _, row_depths = self._run_engine(ids, request, selector, config)
+            outputs.append(sequences[0, ids.shape[1] :])
+            rows.append(stats)
+            depths.append(list(row_depths))
+        width = max(len(o) for o in outputs)
+        sequences = torch.full((b, n + width), pad_token_id, dtype=torch.long, device=input_ids.device)
+        sequences[:, :n] = input_ids
+        for r, out in enumerate(outputs):
+            sequences[r, n : n + len(out)] = out
+        return GenerationOutput(sequences, combined_stats(rows), None, None, depths, rows)
 
     def pad_token_id(self, eos_token_ids: Iterable[int] = ()) -> int:
         """What finished rows of a batch are filled with: the tokenizer's or the model's pad token, else the

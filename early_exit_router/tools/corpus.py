@@ -1,14 +1,18 @@
 """Training and evaluation text that exists offline.
 
-Training: the model's own greedy answers to a prompt set (the distribution the heads meet at decode time), and
-the long descriptions (READMEs) that installed Python packages ship in their metadata, with license boilerplate
-removed. Held out for evaluation, never trained on: Debian's common licenses and the CPython standard library.
+Training: the model's own answers (greedy and sampled) to a prompt set — the distribution the heads meet at decode
+time — and the long descriptions (READMEs) that installed Python packages ship in their metadata, with license
+boilerplate removed. `generated_prompts` widens the prompt set offline: chat requests from templates over a list of
+subjects and over installed packages' summaries, and text to continue (README paragraphs, third-party Python
+source from site-packages). Held out for evaluation, never trained on: Debian's common licenses and the CPython
+standard library.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import random
 import re
 import sysconfig
 from importlib import resources
@@ -79,11 +83,183 @@ def held_out_texts(max_chars_each: int = 20_000) -> dict[str, str]:
     return out
 
 
+SUBJECTS = (
+    "the water cycle",
+    "black holes",
+    "photosynthesis",
+    "the French Revolution",
+    "compound interest",
+    "volcanoes",
+    "machine learning",
+    "the immune system",
+    "climate change",
+    "the printing press",
+    "honey bees",
+    "electric cars",
+    "the Roman Empire",
+    "quantum computers",
+    "coffee",
+    "the stock market",
+    "rainbows",
+    "the human heart",
+    "recycling",
+    "the moon landing",
+    "sourdough bread",
+    "chess",
+    "jazz music",
+    "the internet",
+    "glaciers",
+    "vaccines",
+    "solar panels",
+    "the Great Wall of China",
+    "octopuses",
+    "public libraries",
+    "earthquakes",
+    "time zones",
+    "the Olympic Games",
+    "tea",
+    "bicycles",
+    "cloud computing",
+    "the Amazon rainforest",
+    "dinosaurs",
+    "taxes",
+    "sleep",
+    "gardening",
+    "the periodic table",
+    "password security",
+    "hiking",
+    "origami",
+    "wind turbines",
+    "the violin",
+    "budget travel",
+    "meditation",
+    "spreadsheets",
+    "the Renaissance",
+    "penguins",
+    "3D printing",
+)
+CHAT_TEMPLATES = (
+    "Explain {s} in simple terms.",
+    "List five interesting facts about {s}.",
+    "Write a short paragraph about {s} for a school newsletter.",
+    "What are the pros and cons of {s}?",
+    "Write a haiku about {s}.",
+    "Give me three questions a student might ask about {s}, with short answers.",
+    "Write a short, friendly email to a colleague recommending a book about {s}.",
+    "Summarise the history of {s} in a few sentences.",
+    "Write a markdown table with three rows of facts about {s}.",
+    "Write a JSON object with a title, a summary and three tags for an article about {s}.",
+)
+CODE_TASKS = (
+    "reverses a string",
+    "checks whether a number is prime",
+    "counts the words in a text",
+    "merges two sorted lists",
+    "returns the n-th Fibonacci number",
+    "removes duplicates from a list",
+    "parses a date in YYYY-MM-DD format",
+    "computes the average of a list of numbers",
+    "flattens a nested list",
+    "converts Celsius to Fahrenheit",
+    "finds the largest element of a list",
+    "checks whether a word is a palindrome",
+)
+CODE_TEMPLATES = (
+    "Write a Python function that {t}.",
+    "Write a JavaScript function that {t}.",
+    "Write a Python function that {t}, with a docstring and a test.",
+)
+PACKAGE_TEMPLATES = (
+    "What is the Python package {name} used for? Its summary: {summary}",
+    "Write a short tutorial introduction for {name} ({summary}).",
+)
+STORY_TEMPLATES = (
+    "A shop sells pens for {a} dollars each. Tom buys {b} pens and pays with a {c}-dollar note. How much change "
+    "does he get?",
+    "A train travels {a} km in {b} hours. What is its average speed?",
+    "Anna has {a} stickers and gives {b} to each of her {c} friends. How many does she have left?",
+)
+
+
+def generated_prompts(count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """`count` prompt records built offline (see the module docstring), seeded, in a fixed mix: about half chat
+    requests over subjects, code and word problems, a sixth about installed packages, a third text to continue."""
+    rng = random.Random(seed)
+    packages = _package_summaries()
+    paragraphs = _readme_paragraphs()
+    code = _third_party_code()
+    out: list[dict[str, Any]] = []
+    for n in range(count):
+        kind = rng.random()
+        if kind < 0.3:
+            prompt = rng.choice(CHAT_TEMPLATES).format(s=rng.choice(SUBJECTS))
+            record = {"category": "dialogue", "kind": "chat", "prompt": prompt}
+        elif kind < 0.4:
+            record = {
+                "category": "templated",
+                "kind": "chat",
+                "prompt": rng.choice(CODE_TEMPLATES).format(t=rng.choice(CODE_TASKS)),
+            }
+        elif kind < 0.5:
+            a, b, c = rng.randint(2, 60), rng.randint(2, 9), rng.randint(2, 9)
+            c = max(c, a * b // 10 + 1) * 10 if "change" in (t := rng.choice(STORY_TEMPLATES)) else c
+            record = {"category": "reasoning", "kind": "chat", "prompt": t.format(a=a, b=b, c=c)}
+        elif kind < 0.67 and packages:
+            name, summary = rng.choice(packages)
+            prompt = rng.choice(PACKAGE_TEMPLATES).format(name=name, summary=summary)
+            record = {"category": "dialogue", "kind": "chat", "prompt": prompt}
+        elif kind < 0.84 and paragraphs:
+            record = {"category": "templated", "kind": "text", "prompt": rng.choice(paragraphs)[:400]}
+        elif code:
+            record = {"category": "templated", "kind": "text", "prompt": rng.choice(code)}
+        else:
+            continue
+        out.append({"id": f"gen{n:05d}", **record})
+    return out
+
+
+def _package_summaries() -> list[tuple[str, str]]:
+    found = []
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata.get("Name") or "").lower()):
+        name, summary = dist.metadata.get("Name"), (dist.metadata.get("Summary") or "").strip()
+        if name and len(summary) > 20:
+            found.append((name, summary))
+    return found
+
+
+def _readme_paragraphs() -> list[str]:
+    texts, _ = package_descriptions(max_chars=2_000_000)
+    paragraphs = [p.strip() for t in texts for p in re.split(r"\n\s*\n", t) if len(p.strip()) > 200]
+    return [p for p in paragraphs if "licen" not in p.lower()]  # nothing near the held-out license texts
+
+
+def _third_party_code(max_files: int = 400) -> list[str]:
+    """Openings of functions and classes in installed third-party packages (never the standard library)."""
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    snippets = []
+    for path in sorted(purelib.glob("*/*.py"))[:max_files]:
+        if "early_exit_router" in str(path):
+            continue
+        text = path.read_text(errors="ignore")
+        for match in re.finditer(r"^(def|class) \w+.*$", text, flags=re.M):
+            snippets.append(text[match.start() : match.start() + 300])
+    return snippets
+
+
 @torch.no_grad()
 def self_generated(
-    model: Any, tokenizer: Any, prompts: list[dict[str, Any]], max_new_tokens: int, batch_size: int = 16
+    model: Any,
+    tokenizer: Any,
+    prompts: list[dict[str, Any]],
+    max_new_tokens: int,
+    batch_size: int = 16,
+    sample: bool = False,
+    seed: int = 0,
 ) -> list[list[int]]:
-    """Token ids of (chat prompt + the model's own greedy answer) for each prompt, generated in batches."""
+    """Token ids of (prompt + the model's own answer) for each prompt, generated in batches: greedy, or sampled
+    (temperature 0.8, top-p 0.95, seeded)."""
+    if sample:
+        torch.manual_seed(seed)
     sequences: list[list[int]] = []
     old_side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # decoder-only batch generation needs left padding
@@ -100,7 +276,8 @@ def self_generated(
                 for p in batch
             ]
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
+            sampling = dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=0) if sample else dict(do_sample=False)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling)
             for row, mask in zip(out, enc.attention_mask):
                 pad = int((mask == 0).sum())
                 ids = row[pad:].tolist()

@@ -5,8 +5,9 @@ No serving engine runs per-token exits; vLLM (`speculative_config={"method": "dr
 base model (exit layer `E`), its embeddings, final norm and LM head, in the base model's own architecture and
 dtype, so any engine that serves the base model also loads the draft.
 
-The exit's adapter must fold into stock modules exactly: the logit lens (`identity`) needs nothing, and the
-`postnorm` adapter `M` becomes the LM head `lm_head.weight @ M` (the head is then untied from the embeddings).
+The exit's adapter must fold into stock modules exactly: the logit lens (`identity`) needs nothing, the
+`postnorm` adapter `M` becomes the LM head `lm_head.weight @ M` (the head is then untied from the embeddings), and
+a `block` adapter is a decoder layer of the model's own class, so it becomes the draft's last layer (`E + 2` layers).
 Adapters before the final norm (`linear`, `lowrank`) cannot be folded through the normalisation, so they are
 refused rather than exported approximately.
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-FOLDABLE_ADAPTERS = ("identity", "postnorm")
+FOLDABLE_ADAPTERS = ("identity", "postnorm", "block")
 
 
 @dataclass
@@ -30,7 +31,7 @@ class DraftExport:
 
     path: str
     exit_layer: int
-    num_layers: int  # layers kept (exit_layer + 1)
+    num_layers: int  # layers kept (exit_layer + 1), and the block adapter's (exit_layer + 2)
     base_layers: int
     adapter: str
     parameters: int  # of the draft (tied embeddings counted once)
@@ -69,9 +70,14 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
             f"--adapter identity); adapters that fold: {', '.join(FOLDABLE_ADAPTERS)}."
         )
     model, stack, spec = router.model, router._stack, router._stack.spec
+    block = adapter_kind == "block"
     keep = exit_layer + 1
     config = copy.deepcopy(model.config)
     base_layers = config.num_hidden_layers
+    if block:
+        if exit_layer + 1 >= base_layers:
+            raise ValueError("A block exit at the last layer has no layer slot to export into; export another exit.")
+        keep += 1  # the block (a copy of layer exit_layer + 1, trained) takes that layer's place
     for name, value in list(vars(config).items()):  # per-layer lists (layer_types, ...) follow the depth
         if isinstance(value, list) and len(value) == base_layers:
             setattr(config, name, value[:keep])
@@ -86,6 +92,10 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
         if key.startswith(layer_prefix) and int(key[len(layer_prefix) :].split(".", 1)[0]) >= keep:
             continue
         state[key] = tensor
+    if block:
+        prefix = f"{layer_prefix}{exit_layer + 1}."
+        for key, tensor in router.heads.adapter(exit_layer).block.state_dict().items():
+            state[prefix + key] = tensor
     if folded:
         matrix = router.heads.adapter(exit_layer).folded_matrix()
         with torch.no_grad():  # (vocab, hidden) @ (hidden, hidden): lm_head(M x) == (W M) x

@@ -1,6 +1,7 @@
 """Head quality on cached hidden states: agreement with the full model before and after training, and routing.
 
-For every position the router's cascade is replayed offline: gate (when present and enabled), then the
+Heads are evaluated as the engine drafts: through the trimmed draft head where the config has one. For every
+position the router's cascade is replayed offline: gate (when present and enabled), then the
 confidence/entropy rule, exit after exit. Reported per exit: top-1 agreement of the logit lens and of the trained
 head over all positions, the share of positions the cascade lets exit there, and the agreement among those.
 """
@@ -13,8 +14,10 @@ from typing import Any
 import torch
 
 from early_exit_router.config import RouterConfig
+from early_exit_router.runtime.heads import gate_probability
+from early_exit_router.runtime.policy import AcceptanceTracker
 from early_exit_router.runtime.routing import Router
-from early_exit_router.tools.training import HiddenStateCache, head_logits, teacher_top1
+from early_exit_router.tools.training import HiddenStateCache, batch_size_for, gate_context, head_logits, teacher_top1
 
 
 @dataclass
@@ -44,6 +47,8 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
     stack, config = router._stack, router.config
     decide = Router(config, stack.vocab_size)
     target = teacher_top1(router, cache, batch)
+    batch = batch_size_for(cache, batch)
+    draft = router.heads.draft_head(stack, config.draft_vocab_size)  # the head the engine drafts from
     out = []
     for layer in router.heads.exit_layers:
         lens, agree, flags, gates, confs, ents = [], [], [], [], [], []
@@ -51,17 +56,22 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
         for s in range(0, len(cache), batch):
             h = cache.exits[layer][s : s + batch]
             t = target[s : s + batch]
-            lens.append(head_logits(stack, None, h).argmax(-1).cpu() == t)
-            logits = head_logits(stack, router.heads.adapter(layer), h)
+            lens.append(head_logits(stack, None, h, draft=draft).argmax(-1).cpu() == t)
+            logits = head_logits(stack, router.heads.adapter(layer), h, cache.chunk_len, draft)
             agree.append(logits.argmax(-1).cpu() == t)
             conf, ent = decide.confidence_entropy(logits)
             flags.append(decide.exit_rule(conf, ent).cpu())
             confs.append(conf.cpu())
             ents.append(ent.cpu())
-            h_dev = h.to(stack.device, stack.dtype)
-            gates.append(
-                decide.gate_allows(gate(h_dev)).cpu() if gate is not None else torch.ones_like(t, dtype=torch.bool)
-            )
+        # The gate sees the context features replayed from the verdicts (see `training.gate_context`).
+        context = gate_context(cache, torch.cat(agree).float(), config.ngram_min_size, AcceptanceTracker.rate)
+        for s in range(0, len(cache), batch):
+            if gate is None:
+                gates.append(torch.ones(min(batch, len(cache) - s), dtype=torch.bool))
+                continue
+            h = cache.exits[layer][s : s + batch].to(stack.device, stack.dtype)
+            prob = gate_probability(gate, h, context[s : s + batch].to(stack.device))
+            gates.append(decide.gate_allows(prob).cpu())
         out.append(
             ExitSignals(
                 layer,

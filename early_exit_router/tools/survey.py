@@ -12,6 +12,7 @@ at which drafting breaks even with plain decoding, and the speed-up over plain d
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 
 from early_exit_router.models.architecture import dense
 from early_exit_router.runtime.costs import CostModel
-from early_exit_router.runtime.heads import exit_normed, make_adapter
+from early_exit_router.runtime.heads import block_source, exit_normed, make_adapter, needs_context
 from early_exit_router.runtime.policy import DraftPolicy
 from early_exit_router.tools.training import HiddenStateCache, distillation_loss
 
@@ -104,10 +105,13 @@ def survey_exits(
     no_next = torch.full((batch_tokens,), -1)
     rows = []
     for layer in sorted(cache.exits):
-        policy = DraftPolicy(costs, [layer], [False])
+        policy = DraftPolicy(costs, [layer], [False], has_block=[adapter == "block"])
         states = cache.exits[layer]
         torch.manual_seed(seed)
-        head = make_adapter(adapter, stack.hidden_size, router.config.adapter_rank).to(stack.device).float()
+        block = functools.partial(block_source(stack), layer) if adapter == "block" else None
+        head = make_adapter(adapter, stack.hidden_size, router.config.adapter_rank, block)
+        head = head.to(stack.device).float()
+        context = needs_context(head)  # a block attends to the context: it trains and is scored on whole chunks
         g = torch.Generator().manual_seed(seed)
         start = time.perf_counter()
         params = list(head.parameters())
@@ -117,8 +121,12 @@ def survey_exits(
                 optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps))
             )
             for _ in range(steps):
-                idx = torch.randint(n_train, (batch_tokens,), generator=g)
-                student = unembed(_normed(stack, head, states[idx]))
+                if context:
+                    chunks = torch.randint(n_train // chunk_len, (max(1, batch_tokens // chunk_len),), generator=g)
+                    idx = (chunks.unsqueeze(1) * chunk_len + torch.arange(chunk_len)).flatten()
+                else:
+                    idx = torch.randint(n_train, (batch_tokens,), generator=g)
+                student = unembed(_normed(stack, head, states[idx], chunk_len if context else 0))
                 loss = distillation_loss(student, teacher_sub[idx], no_next, 0.0)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -128,7 +136,7 @@ def survey_exits(
         with torch.no_grad():
             held = states[n_train:]
             lens = ids[unembed(stack.final_norm(held.to(stack.device, stack.dtype))).argmax(-1).cpu()]
-            probs = torch.softmax(unembed(_normed(stack, head, held)), -1)
+            probs = torch.softmax(unembed(_normed(stack, head, held, chunk_len if context else 0)), -1)
             confidence, arg = probs.max(-1)
             correct = ids[arg.cpu()] == hold_target
         agreement = float(correct.float().mean())
@@ -139,7 +147,7 @@ def survey_exits(
                 lens_agreement=float((lens == hold_target).float().mean()),
                 trained_agreement=agreement,
                 coverage=coverage_at(confidence.cpu(), correct, precision),
-                draft_ms=costs.layers(layer + 1, 1) + costs.draft_head_ms,
+                draft_ms=costs.layers(layer + 1 + int(context), 1) + costs.draft_head_ms,
                 break_even=break_even_acceptance(policy, 0, max_draft),
                 speedup=rate / policy.plain_rate,
                 seconds=seconds,
@@ -148,9 +156,13 @@ def survey_exits(
     return rows
 
 
-def _normed(stack: Any, adapter: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The adapter and the model's final norm, in float32 (the adapter is trained in float32)."""
-    return exit_normed(stack, adapter, hidden.to(stack.device).float())
+def _normed(stack: Any, adapter: torch.nn.Module, hidden: torch.Tensor, chunk_len: int = 0) -> torch.Tensor:
+    """The adapter and the model's final norm, in float32 (the adapter is trained in float32); (N, hidden) states
+    in whole chunks of `chunk_len` for a block adapter."""
+    hidden = hidden.to(stack.device).float()
+    if chunk_len:
+        return exit_normed(stack, adapter, hidden.view(-1, chunk_len, hidden.shape[-1])).flatten(0, 1)
+    return exit_normed(stack, adapter, hidden)
 
 
 def format_survey(rows: list[SurveyRow], precision: float, title: str) -> str:

@@ -1,10 +1,15 @@
 """Training exit heads by self-distillation, and the learned gates in front of them.
 
 The base model stays frozen. One no-grad pass over the corpus stores, per token, the hidden state at every exit
-and the final normed hidden state (`HiddenStateCache`). Training then only runs the adapters, the shared final
-norm and the LM head: the loss at exit `e` is KL(full model || exit head) over the whole vocabulary, optionally
-mixed with cross-entropy on the corpus' next token. The teacher's logits are recomputed from the stored final
-state, which is exact and far smaller than storing them.
+and the final normed hidden state (`HiddenStateCache`, chunk after chunk of consecutive positions). Training then
+only runs the adapters, the shared final norm and the LM head: the loss at exit `e` is KL(full model || exit head),
+optionally mixed with cross-entropy on the corpus' next token. The teacher's logits are recomputed from the stored
+final state, which is exact and far smaller than storing them.
+
+Where the router drafts from a trimmed head (`draft_vocab_size`), the KL runs over those token ids only: that is
+the distribution the engine drafts from, and it costs a fraction of the full vocabulary (so the same time buys
+many more steps). Position-wise adapters train on random positions; block adapters (which attend to the context)
+on whole chunks.
 """
 
 from __future__ import annotations
@@ -18,7 +23,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from early_exit_router.runtime.heads import LearnedGate, draft_token_ranking, exit_logits
+from early_exit_router.runtime.heads import (
+    DraftHead,
+    LearnedGate,
+    draft_token_ranking,
+    exit_normed,
+    logits_from_normed,
+    needs_context,
+)
+from early_exit_router.runtime.policy import AcceptanceTracker
 
 
 @dataclass
@@ -26,6 +39,7 @@ class TrainingConfig:
     """Budget and optimiser settings of `train_heads`."""
 
     max_steps: int = 600  # optimiser steps; each sees `batch_tokens` positions at every exit
+    max_seconds: float | None = None  # a wall-clock budget instead: the step count is set from the first steps' time
     batch_tokens: int = 512
     lr: float = 2e-3
     weight_decay: float = 0.0
@@ -34,6 +48,7 @@ class TrainingConfig:
     holdout_share: float = 0.05  # positions kept out of training, for the report and the gate check
     gate_steps: int = 300
     chunk_len: int = 256  # positions per forward pass when caching hidden states
+    draft_vocab_only: bool = True  # distil over the router's trimmed draft vocabulary, when it has one
 
 
 @dataclass
@@ -43,20 +58,44 @@ class HiddenStateCache:
     exits: dict[int, torch.Tensor]  # layer -> (N, hidden), output of that layer
     final_normed: torch.Tensor  # (N, hidden): final norm applied to the last layer's output
     next_token: torch.Tensor  # (N,) the corpus' next token, -1 at the end of a chunk
+    chunk_len: int = 0  # positions come in chunks of this many consecutive ones (0: single positions, no order)
 
     def __len__(self) -> int:
         return self.final_normed.shape[0]
 
+    @property
+    def num_chunks(self) -> int:
+        return len(self) // self.chunk_len if self.chunk_len else 0
+
     def split(self, holdout_share: float, seed: int) -> tuple[HiddenStateCache, HiddenStateCache]:
+        """(train, held out): a seeded share of whole chunks held out (of positions, without chunks), so that no
+        held-out position sits between training positions of the same text."""
         g = torch.Generator().manual_seed(seed)
+        if self.chunk_len:
+            perm = torch.randperm(self.num_chunks, generator=g)
+            n_hold = max(1, int(self.num_chunks * holdout_share))
+            return self.select_chunks(perm[n_hold:]), self.select_chunks(perm[:n_hold])
         perm = torch.randperm(len(self), generator=g)
         n_hold = max(1, int(len(self) * holdout_share))
         return self.select(perm[n_hold:]), self.select(perm[:n_hold])
 
     def select(self, idx: torch.Tensor) -> HiddenStateCache:
+        """Positions `idx` (their chunk structure is lost)."""
         return HiddenStateCache(
             {e: h[idx] for e, h in self.exits.items()}, self.final_normed[idx], self.next_token[idx]
         )
+
+    def select_chunks(self, chunks: torch.Tensor) -> HiddenStateCache:
+        """Whole chunks, in the order given."""
+        idx = chunk_positions(chunks, self.chunk_len)
+        picked = self.select(idx)
+        picked.chunk_len = self.chunk_len
+        return picked
+
+
+def chunk_positions(chunks: torch.Tensor, chunk_len: int) -> torch.Tensor:
+    """(c,) chunk indices -> (c * chunk_len,) their positions, chunk after chunk."""
+    return (chunks.unsqueeze(1) * chunk_len + torch.arange(chunk_len)).flatten()
 
 
 @torch.no_grad()
@@ -87,12 +126,34 @@ def build_cache(
         nxt = torch.full_like(ids, -1)
         nxt[:, :-1] = ids[:, 1:]
         nexts.append(nxt.reshape(-1).cpu())
-    return HiddenStateCache({e: torch.cat(v) for e, v in exits.items()}, torch.cat(finals), torch.cat(nexts))
+    exits_cat = {e: torch.cat(v) for e, v in exits.items()}
+    return HiddenStateCache(exits_cat, torch.cat(finals), torch.cat(nexts), chunk_len)
 
 
-def head_logits(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
-    """Exit-head logits (N, vocab) in float32 for cached hidden states (N, hidden); adapter None is the logit lens."""
-    return exit_logits(stack, adapter, hidden.to(device=stack.device, dtype=stack.dtype)).float()
+def head_logits(
+    stack: Any,
+    adapter: nn.Module | None,
+    hidden: torch.Tensor,
+    chunk_len: int = 0,
+    draft: DraftHead | None = None,
+) -> torch.Tensor:
+    """Exit-head logits (N, vocab) in float32 for cached hidden states (N, hidden); adapter None is the logit lens.
+
+    A block adapter reads the context: `hidden` is then whole chunks of `chunk_len` consecutive positions. With
+    `draft`, the logits are the trimmed draft head's (-inf outside its ids), as the engine drafts."""
+    hidden = hidden.to(device=stack.device, dtype=stack.dtype)
+    if needs_context(adapter):
+        if not chunk_len or hidden.shape[0] % chunk_len:
+            raise ValueError("A block adapter runs over whole chunks: pass positions in chunks of chunk_len.")
+        normed = exit_normed(stack, adapter, hidden.view(-1, chunk_len, hidden.shape[-1])).flatten(0, 1)
+    else:
+        normed = exit_normed(stack, adapter, hidden)
+    return logits_from_normed(stack, draft, normed).float()
+
+
+def batch_size_for(cache: HiddenStateCache, target: int = 1024) -> int:
+    """Positions per evaluation batch: whole chunks when the cache has them."""
+    return cache.chunk_len * max(1, target // cache.chunk_len) if cache.chunk_len else target
 
 
 def distillation_loss(
@@ -121,6 +182,7 @@ class TrainingReport:
     gate_accuracy: dict[int, float] = field(default_factory=dict)
     gate_auc: dict[int, float] = field(default_factory=dict)  # held out: P(score of an agreeing > a disagreeing)
     gate_saved_at_recall: dict[int, float] = field(default_factory=dict)  # head calls skipped at 0.95 recall
+    confidence_auc: dict[int, float] = field(default_factory=dict)  # held out: the same for the head's confidence
     config: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,6 +195,11 @@ def train_heads(router: Any, cache: HiddenStateCache, cfg: TrainingConfig, progr
     torch.manual_seed(cfg.seed)
     g = torch.Generator().manual_seed(cfg.seed)
     params = [p for p in heads.adapters.parameters()]
+    # With a trimmed draft head, teacher and student are both renormalised over its ids.
+    draft = heads.draft_head(stack, router.config.draft_vocab_size) if cfg.draft_vocab_only else None
+    context = bool(heads.context_exits())
+    if context and not cache.chunk_len:
+        raise ValueError("Block adapters train on whole chunks: build the cache with build_cache (chunk_len > 0).")
     report = TrainingReport(train_positions=len(cache), config=asdict(cfg))
     if not params:  # identity adapters: nothing to train
         return report
@@ -144,21 +211,39 @@ def train_heads(router: Any, cache: HiddenStateCache, cfg: TrainingConfig, progr
         for p in frozen:
             p.requires_grad_(False)
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        horizon = [cfg.max_steps]  # the cosine schedule's length; a time budget resets it after the first steps
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
-            lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / cfg.max_steps)),
+            lambda step: min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(step / horizon[0], 1.0))),
         )
         heads.train()
-        bar = tqdm(range(cfg.max_steps), desc="training exit heads", disable=not progress)
-        for step in bar:
-            idx = torch.randint(len(cache), (cfg.batch_tokens,), generator=g)
+        bar = tqdm(total=cfg.max_steps, desc="training exit heads", disable=not progress)
+        step = 0
+        while step < horizon[0]:
+            if cfg.max_seconds is not None and step == 3:  # 3 steps timed: as many as the budget allows
+                per_step = (time.perf_counter() - start) / 3
+                horizon[0] = max(4, int(cfg.max_seconds / per_step))
+                bar.reset(total=horizon[0])
+                bar.update(3)
+            if context:  # whole chunks: the block attends to the positions before
+                chunks = torch.randint(cache.num_chunks, (max(1, cfg.batch_tokens // cache.chunk_len),), generator=g)
+                idx = chunk_positions(chunks, cache.chunk_len)
+            else:
+                idx = torch.randint(len(cache), (cfg.batch_tokens,), generator=g)
             with torch.no_grad():
-                teacher = stack.unembed(cache.final_normed[idx].to(stack.device, stack.dtype)).float()
+                final = cache.final_normed[idx].to(stack.device, stack.dtype)
+                teacher = _sub_logits(stack, draft, final)
+            next_token = cache.next_token[idx]
+            if draft is not None:  # the corpus' next token as an index into the trimmed ids (-1 outside them)
+                next_token = _sub_index(draft, next_token)
             losses = {}
             total = torch.zeros((), device=stack.device)
             for e in heads.exit_layers:
-                student = head_logits(stack, heads.adapter(e), cache.exits[e][idx])
-                loss = distillation_loss(student, teacher, cache.next_token[idx], cfg.ce_weight)
+                hidden = cache.exits[e][idx].to(stack.device, stack.dtype)
+                if context:
+                    hidden = hidden.view(-1, cache.chunk_len, hidden.shape[-1])
+                student = _sub_logits(stack, draft, exit_normed(stack, heads.adapter(e), hidden).reshape(final.shape))
+                loss = distillation_loss(student, teacher, next_token, cfg.ce_weight)
                 losses[e] = loss.item()
                 total = total + loss
             optimizer.zero_grad(set_to_none=True)
@@ -168,14 +253,30 @@ def train_heads(router: Any, cache: HiddenStateCache, cfg: TrainingConfig, progr
             if step == 0:
                 report.loss_first = losses
             report.loss_last = losses
+            bar.update(1)
             bar.set_postfix({f"L{e}": f"{v:.2f}" for e, v in losses.items()})
+            step += 1
     finally:
         heads.train(was_training)
         for p in frozen:
             p.requires_grad_(True)
-    report.steps = cfg.max_steps
+    report.steps = step
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _sub_logits(stack: Any, draft: DraftHead | None, normed: torch.Tensor) -> torch.Tensor:
+    """(N, hidden) -> float32 logits over the trimmed ids (N, K), or over the whole vocabulary without `draft`."""
+    if draft is None:
+        return stack.unembed(normed).float()
+    return stack.finish_logits(draft(normed)).float()
+
+
+def _sub_index(draft: DraftHead, tokens: torch.Tensor) -> torch.Tensor:
+    """Token ids (N,) -> their index among the draft head's sorted ids, -1 where absent (or already -1)."""
+    ids = draft.token_ids.cpu()
+    where = torch.searchsorted(ids, tokens.clamp(min=0)).clamp(max=len(ids) - 1)
+    return torch.where((ids[where] == tokens) & (tokens >= 0), where, torch.full_like(tokens, -1))
 
 
 @torch.no_grad()
@@ -192,51 +293,100 @@ def teacher_top1(router: Any, cache: HiddenStateCache, batch: int = 1024) -> tor
 
 @torch.no_grad()
 def exit_top1(
-    router: Any, cache: HiddenStateCache, layer: int, trained: bool = True, batch: int = 1024
-) -> torch.Tensor:
-    """(N,) the exit head's top-1 token (trained adapter, or the logit lens when `trained` is False)."""
+    router: Any, cache: HiddenStateCache, layer: int, trained: bool = True, with_confidence: bool = False
+) -> Any:
+    """(N,) the exit head's top-1 token (trained adapter, or the logit lens when `trained` is False), from the
+    trimmed draft head where the router drafts from one; with `with_confidence`, also (N,) its probability."""
     adapter = router.heads.adapter(layer) if trained else None
-    return torch.cat(
-        [
-            head_logits(router._stack, adapter, cache.exits[layer][s : s + batch]).argmax(-1).cpu()
-            for s in range(0, len(cache), batch)
-        ]
-    )
+    stack, batch = router._stack, batch_size_for(cache)
+    draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
+    tops, confidences = [], []
+    for s in range(0, len(cache), batch):
+        logits = head_logits(stack, adapter, cache.exits[layer][s : s + batch], cache.chunk_len, draft)
+        confidence, top = torch.softmax(logits, dim=-1).max(dim=-1)
+        tops.append(top.cpu())
+        confidences.append(confidence.cpu())
+    return (torch.cat(tops), torch.cat(confidences)) if with_confidence else torch.cat(tops)
+
+
+def gate_context(cache: HiddenStateCache, agree: torch.Tensor, ngram_min: int = 2, rate: float = 0.15) -> torch.Tensor:
+    """(N, 2) the gate's context features at every cached position, replayed as the engine sees them:
+    whether the last `ngram_min` tokens occurred earlier in the chunk (the n-gram tier would match), and the
+    exit's running acceptance (an exponential average of the previous positions' verdicts `agree`, from 0.5 at a
+    chunk's start, updated at `rate` as the policy's tracker is). Without chunks: no match, acceptance 0.5."""
+    features = torch.zeros(len(cache), 2)
+    features[:, 1] = 0.5
+    if not cache.chunk_len:
+        return features
+    n = cache.chunk_len
+    for c in range(cache.num_chunks):
+        nexts = cache.next_token[c * n : (c + 1) * n].tolist()
+        verdicts = agree[c * n : (c + 1) * n].tolist()
+        tokens = [-1] + nexts[:-1]  # the token at each position (the first one is not cached)
+        seen: set[tuple[int, ...]] = set()
+        acceptance = 0.5
+        for t in range(n):
+            if t >= ngram_min:
+                seen.add(tuple(tokens[t - ngram_min : t]))  # the n-gram ending just before position t
+                features[c * n + t, 0] = float(tuple(tokens[t - ngram_min + 1 : t + 1]) in seen)
+            features[c * n + t, 1] = acceptance
+            acceptance += rate * (float(verdicts[t]) - acceptance)
+    return features
 
 
 def train_gates(
-    router: Any, train: HiddenStateCache, holdout: HiddenStateCache, cfg: TrainingConfig, max_positions: int = 20_000
+    router: Any,
+    train: HiddenStateCache,
+    holdout: HiddenStateCache,
+    cfg: TrainingConfig,
+    max_positions: int = 20_000,
+    context: bool = True,
 ) -> dict[int, dict[str, float]]:
-    """Fit a logistic gate per exit predicting agreement with the full model.
+    """Fit a logistic gate per exit predicting agreement with the full model (with the context features of
+    `gate_context` unless `context` is False).
 
-    Returns, per exit, held-out `accuracy` at 0.5, `auc`, and `saved_at_recall`: the share of head calls the gate
-    skips at a threshold that still lets 95% of the agreeing positions through."""
+    Returns, per exit, held-out `accuracy` at 0.5, `auc`, `saved_at_recall` (the share of head calls the gate skips
+    at a threshold that still lets 95% of the agreeing positions through), and `confidence_auc`: the AUC of the
+    head's own confidence, which the confidence rule after the head uses."""
     g = torch.Generator().manual_seed(cfg.seed)
-    train = train.select(torch.randperm(len(train), generator=g)[:max_positions])
+    if train.chunk_len:
+        train = train.select_chunks(
+            torch.randperm(train.num_chunks, generator=g)[: max(1, max_positions // train.chunk_len)]
+        )
+    else:
+        train = train.select(torch.randperm(len(train), generator=g)[:max_positions])
     target, target_hold = teacher_top1(router, train), teacher_top1(router, holdout)
-    router.heads.add_gates(router._stack.hidden_size)
+    router.heads.add_gates(router._stack.hidden_size, context)
     quality = {}
     for layer in router.heads.exit_layers:
         gate: LearnedGate = router.heads.gate(layer).float()
         y = (exit_top1(router, train, layer) == target).float()
         x = train.exits[layer]
+        features = gate_context(train, y, router.config.ngram_min_size, AcceptanceTracker.rate) if context else None
         optimizer = torch.optim.Adam(gate.parameters(), lr=1e-2)
         # Weigh the rarer class up, so that the gate neither always says yes nor always no.
         pos = y.mean().clamp(1e-3, 1 - 1e-3)
         weights = torch.where(y > 0, 0.5 / pos, 0.5 / (1 - pos))
         for _ in range(cfg.gate_steps):
-            prob = gate(x).clamp(1e-6, 1 - 1e-6)
+            prob = gate(x, features).clamp(1e-6, 1 - 1e-6)
             loss = nn.functional.binary_cross_entropy(prob, y, weight=weights)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
         with torch.no_grad():
-            y_hold = exit_top1(router, holdout, layer) == target_hold
-            score = gate(holdout.exits[layer])
+            top, confidence = exit_top1(router, holdout, layer, with_confidence=True)
+            y_hold = top == target_hold
+            hold_features = (
+                gate_context(holdout, y_hold.float(), router.config.ngram_min_size, AcceptanceTracker.rate)
+                if context
+                else None
+            )
+            score = gate(holdout.exits[layer], hold_features)
             quality[layer] = {
                 "accuracy": float(((score >= 0.5) == y_hold).float().mean()),
                 "auc": roc_auc(score, y_hold),
                 "saved_at_recall": saved_at_recall(score, y_hold, 0.95),
+                "confidence_auc": roc_auc(confidence, y_hold),
             }
         gate.to(device=router._stack.device, dtype=router._stack.dtype)
     return quality
@@ -273,9 +423,14 @@ def corpus_sequences(
     use_docs: bool = True,
     self_gen_repeats: int = 2,
     progress: bool = True,
+    extra_prompts: int = 0,
+    sampled: bool = False,
+    seed: int = 0,
 ) -> tuple[list[list[int]], dict[str, Any]]:
-    """Token sequences to train on (the model's own answers, repeated, then package READMEs) and their manifest."""
-    from early_exit_router.tools.corpus import load_prompts, package_descriptions, self_generated
+    """Token sequences to train on and their manifest: the model's own greedy answers to the prompt set (repeated
+    `self_gen_repeats` times), to `extra_prompts` generated prompts, and with `sampled` a sampled answer to every
+    prompt; then package READMEs up to `max_tokens`."""
+    from early_exit_router.tools.corpus import generated_prompts, load_prompts, package_descriptions, self_generated
 
     tokenizer = router.tokenizer
     if tokenizer is None:
@@ -284,16 +439,23 @@ def corpus_sequences(
     manifest: dict[str, Any] = {}
     if self_gen_tokens > 0:
         prompts = load_prompts(prompts_path)
+        extra = generated_prompts(extra_prompts, seed) if extra_prompts > 0 else []
         start = time.perf_counter()
         with router.disabled() as model:
             answers = self_generated(model, tokenizer, prompts, self_gen_tokens)
+            sequences += answers * self_gen_repeats
+            if extra:
+                sequences += self_generated(model, tokenizer, extra, self_gen_tokens)
+            if sampled:
+                sequences += self_generated(model, tokenizer, prompts + extra, self_gen_tokens, sample=True, seed=seed)
         manifest["self_generated"] = {
             "prompts": len(prompts),
-            "tokens": sum(map(len, answers)),
+            "generated_prompts": len(extra),
+            "sampled": sampled,
+            "tokens": sum(map(len, sequences)),
             "repeats": self_gen_repeats,
             "seconds": round(time.perf_counter() - start, 1),
         }
-        sequences += answers * self_gen_repeats
     used = sum(map(len, sequences))
     if use_docs and used < max_tokens:
         texts, sources = package_descriptions(max_chars=4 * (max_tokens - used))  # ~4 characters per token
@@ -341,6 +503,7 @@ def distill_router(
         report.gate_accuracy = {e: q["accuracy"] for e, q in quality.items()}
         report.gate_auc = {e: q["auc"] for e, q in quality.items()}
         report.gate_saved_at_recall = {e: q["saved_at_recall"] for e, q in quality.items()}
+        report.confidence_auc = {e: q["confidence_auc"] for e, q in quality.items()}
     router.config = router.config.replace(heads_trained=True)
     result: dict[str, Any] = {"training": report.to_dict(), "cache_seconds": round(cache_s, 1)}
     signals = exit_signals(router, holdout)

@@ -283,7 +283,9 @@ class Scheduler:
 
     def _batchable(self, job: Job) -> bool:
         """Whether the job may share a batch: the server's routing, and greedy unless in exit mode."""
-        return self.batching and job.config == self.base_config and (job.mode == "exit" or not job.params.do_sample)
+        if not (self.batching and job.config == self.base_config and self.router.batch_synchronous(job.config)):
+            return False
+        return job.mode == "exit" or not job.params.do_sample
 
     def _group(self, job: Job) -> _Group:
         group = self._groups.get(job.mode)

@@ -1,0 +1,129 @@
+"""The one-block adapter (Kangaroo-style): a decoder block at the exit with a KV cache of its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from early_exit_router import EarlyExitRouter
+from early_exit_router.runtime.engine import DecodeRequest
+from early_exit_router.runtime.heads import BlockAdapter
+from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+
+from .conftest import MIXED, assert_cache_matches_full_forward, prompt, tiny_llama
+
+EXITS = [1, 3]
+
+
+def block_router(model, seed: int = 5, **overrides):
+    """Block adapters at layers 1 and 3, nudged away from the copied layers (as training would)."""
+    router = EarlyExitRouter.from_model(model, exit_layers=EXITS, adapter="block", **{**MIXED, **overrides})
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in router.heads.parameters():
+            p.add_(torch.randn_like(p) * 0.002)
+    return router
+
+
+def block_reference(model, router, sequence: torch.Tensor, exit_layer: int):
+    """The block's cache after one pass over every position's exit state, computed from a plain forward."""
+    adapter = router.heads.adapter(exit_layer)
+    with torch.no_grad():
+        states = model(sequence, output_hidden_states=True).hidden_states[exit_layer + 1]  # (1, n, hidden)
+        from early_exit_router.models import _compat
+
+        cache = _compat.new_block_cache()
+        out = adapter(states, router._stack, cache)
+    return cache, out
+
+
+def test_the_block_starts_as_a_copy_of_the_next_layer():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=EXITS, adapter="block")
+    adapter = router.heads.adapter(1)
+    assert isinstance(adapter, BlockAdapter)
+    for (name, mine), theirs in zip(adapter.block.state_dict().items(), model.model.layers[2].state_dict().values()):
+        assert torch.equal(mine, theirs), name
+        assert mine.data_ptr() != theirs.data_ptr()  # a copy: training it leaves the model alone
+    # ... so an untrained block exit at layer 1 predicts what the model's layer-2 state does.
+    ids = prompt(0, 10)
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+        out = adapter(states[2], router._stack)
+    torch.testing.assert_close(out, states[3], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_verify_mode_with_block_adapters_is_greedy_identical_and_the_block_cache_survives_rollback(seed):
+    model = tiny_llama(seed)
+    ids = prompt(seed, 8)
+    expected = model.generate(ids, max_new_tokens=24, do_sample=False)
+    router = block_router(model)
+    engine = router.engine()
+    request = DecodeRequest(mode="verify", max_new_tokens=24)
+    decoding = engine.start(ids, request, TokenSelector(SamplingParams(), router._stack.device))
+    while not engine.advance(decoding):
+        pass
+    sequences, stats, _, cache, _ = engine.finish(decoding)
+    assert torch.equal(sequences, expected)
+    assert stats.rejected_drafts > 0 and stats.mean_accepted_length > 0  # rollbacks happened, drafts were kept
+    assert_cache_matches_full_forward(model, sequences, cache)
+    fed = sequences[:, :-1]
+    for i, layer in enumerate(engine.exits):
+        context = decoding.state.blocks[i]
+        context.run(router._stack, router.heads.adapter(layer))  # anything still queued
+        ref_cache, _ = block_reference(model, router, fed, layer)
+        assert context.seen == fed.shape[1]
+        torch.testing.assert_close(context.cache.layers[0].keys, ref_cache.layers[0].keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(context.cache.layers[0].values, ref_cache.layers[0].values, atol=1e-5, rtol=0)
+
+
+def test_exit_mode_with_block_adapters_uses_them_and_fills_the_model_cache_exactly():
+    model = tiny_llama(0)
+    router = block_router(model)
+    out = router.generate(prompt(0, 8), max_new_tokens=30, mode="exit")
+    assert {d for d in out.depths} & set(EXITS)  # tokens left at the block exits
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_an_exit_through_the_block_is_the_block_computed_independently():
+    model = tiny_llama(0)
+    router = block_router(model, high_conf_threshold=0.0, low_conf_threshold=0.0)
+    router.config = router.config.replace(active_exit_layers=[1])
+    ids = prompt(0, 6)
+    out = router.generate(ids, max_new_tokens=6, mode="exit")
+    assert out.depths[1:] == [1] * 5  # after the prefill's token every token leaves at the block exit
+    # Each exited token is the block's prediction over the exit states of everything before it.
+    seq = out.sequences
+    for t in range(ids.shape[1] + 1, seq.shape[1]):
+        _, block_out = block_reference(model, router, seq[:, :t], 1)
+        with torch.no_grad():
+            expected = model.lm_head(model.model.norm(block_out[:, -1])).argmax(-1)
+        assert int(expected) == int(seq[0, t]), t
+
+
+def test_cost_policy_verify_with_block_adapters_is_greedy_identical():
+    model = tiny_llama(3)
+    ids = prompt(3, 8)
+    expected = model.generate(ids, max_new_tokens=32, do_sample=False)
+    from .conftest import tiny_costs
+
+    router = block_router(model, policy="cost", ngram_tier=True, draft_vocab_size=48)
+    router.cost_model = tiny_costs()["flat"]
+    out = router.generate(ids, max_new_tokens=32, mode="verify")
+    assert torch.equal(out.sequences, expected)
+    assert any(k.startswith("exit") for k in out.stats.policy_cycles)  # the policy drafted from a block exit
+
+
+def test_a_padded_batch_with_block_adapters_runs_each_row_alone():
+    model = tiny_llama(0)
+    router = block_router(model)
+    rows = [prompt(0, 8)[0], prompt(1, 5)[0]]
+    width = max(len(r) for r in rows)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(r)), torch.ones(len(r))]).long() for r in rows])
+    assert not router.batch_synchronous()
+    batch = router.generate(ids, max_new_tokens=12, mode="exit", attention_mask=mask)
+    for r, row in enumerate(rows):
+        alone = router.generate(row[None], max_new_tokens=12, mode="exit")
+        assert batch.sequences[r, width:].tolist() == alone.sequences[0, len(row) :].tolist()
