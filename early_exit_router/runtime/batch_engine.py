@@ -459,17 +459,25 @@ class BatchEngine:
         while not batch.finished:
             batch.step()
         outputs = [batch.output(row) for row in batch.rows]
-        width = max(len(o) for o in outputs)
-        sequences = torch.full((b, n + width), pad_token_id, dtype=torch.long, device=input_ids.device)
-        sequences[:, :n] = input_ids
-        for r, out in enumerate(outputs):
-            sequences[r, n : n + len(out)] = torch.tensor(out, dtype=torch.long)
+        sequences = padded_sequences(input_ids, outputs, pad_token_id)
+        width = sequences.shape[1] - n
         for layer_idx in range(self.stack.num_layers):  # drafts accepted past the last stop: not in the output
             _compat.crop_cache_layer(batch.cache, layer_idx, n + width - 1)
         _compat.trim_sliding(batch.cache)
         stats = [batch.stats(row) for row in batch.rows]
         depths = [row.depth[: len(out)] for row, out in zip(batch.rows, outputs)]
         return sequences, stats, batch.cache, depths
+
+
+def padded_sequences(input_ids: torch.Tensor, outputs: list[Any], pad_token_id: int) -> torch.Tensor:
+    """(b, n) prompts and each row's new tokens -> (b, n + longest) sequences, short rows padded after their end."""
+    b, n = input_ids.shape
+    width = max(len(o) for o in outputs)
+    sequences = torch.full((b, n + width), pad_token_id, dtype=torch.long, device=input_ids.device)
+    sequences[:, :n] = input_ids
+    for r, out in enumerate(outputs):
+        sequences[r, n : n + len(out)] = torch.as_tensor(out, dtype=torch.long)
+    return sequences
 
 
 def combined_stats(rows: list[GenerationStats]) -> GenerationStats:

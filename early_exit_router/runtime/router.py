@@ -21,7 +21,7 @@ from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.models.discovery import stack_for
 from early_exit_router.models.loading import load_base_model, resolve_alias, shipped_checkpoint
-from early_exit_router.runtime.batch_engine import BatchEngine, combined_stats
+from early_exit_router.runtime.batch_engine import BatchEngine, combined_stats, padded_sequences
 from early_exit_router.runtime.checkpoint import (
     BaseModelIdentity,
     head_fingerprint,
@@ -455,19 +455,14 @@ class EarlyExitRouter:
         pad_token_id: int,
     ) -> GenerationOutput:
         """A left-padded batch decoded one row at a time (same output layout as the batch engine; no cache)."""
-        b, n = input_ids.shape
         outputs, rows, depths = [], [], []
-        for r in range(b):
+        for r in range(input_ids.shape[0]):
             ids = input_ids[r : r + 1, attention_mask[r].bool()]  # (1, n_r): the row without its left padding
             sequences, stats, _, _, row_depths = self._run_engine(ids, request, selector, config)
             outputs.append(sequences[0, ids.shape[1] :])
             rows.append(stats)
             depths.append(list(row_depths))
-        width = max(len(o) for o in outputs)
-        sequences = torch.full((b, n + width), pad_token_id, dtype=torch.long, device=input_ids.device)
-        sequences[:, :n] = input_ids
-        for r, out in enumerate(outputs):
-            sequences[r, n : n + len(out)] = out
+        sequences = padded_sequences(input_ids, outputs, pad_token_id)
         return GenerationOutput(sequences, combined_stats(rows), None, None, depths, rows)
 
     def pad_token_id(self, eos_token_ids: Iterable[int] = ()) -> int:

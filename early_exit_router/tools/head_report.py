@@ -63,14 +63,16 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
             flags.append(decide.exit_rule(conf, ent).cpu())
             confs.append(conf.cpu())
             ents.append(ent.cpu())
-        # The gate sees the context features replayed from the verdicts (see `training.gate_context`).
-        context = gate_context(cache, torch.cat(agree).float(), config.ngram_min_size, AcceptanceTracker.rate)
+        # A context gate sees the features replayed from the verdicts (see `training.gate_context`).
+        context = None
+        if getattr(gate, "uses_context", False):
+            context = gate_context(cache, torch.cat(agree).float(), config.ngram_min_size, AcceptanceTracker.rate)
         for s in range(0, len(cache), batch):
             if gate is None:
                 gates.append(torch.ones(min(batch, len(cache) - s), dtype=torch.bool))
                 continue
             h = cache.exits[layer][s : s + batch].to(stack.device, stack.dtype)
-            prob = gate_probability(gate, h, context[s : s + batch].to(stack.device))
+            prob = gate_probability(gate, h, None if context is None else context[s : s + batch].to(stack.device))
             gates.append(decide.gate_allows(prob).cpu())
         out.append(
             ExitSignals(

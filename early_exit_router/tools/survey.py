@@ -24,7 +24,7 @@ from early_exit_router.models.architecture import dense
 from early_exit_router.runtime.costs import CostModel
 from early_exit_router.runtime.heads import block_source, exit_normed, make_adapter, needs_context
 from early_exit_router.runtime.policy import DraftPolicy
-from early_exit_router.tools.training import HiddenStateCache, distillation_loss
+from early_exit_router.tools.training import HiddenStateCache, chunk_positions, distillation_loss
 
 
 @dataclass
@@ -89,7 +89,7 @@ def survey_exits(
     order = torch.randperm(n_chunks, generator=torch.Generator().manual_seed(seed))
     n_hold = max(1, int(n_chunks * holdout_share))
     # (N,) positions: training chunks first, held-out chunks last
-    positions = (order.unsqueeze(1) * chunk_len + torch.arange(chunk_len)).flatten()
+    positions = chunk_positions(order, chunk_len)
     cache = cache.select(positions)
     n = len(cache)
     n_train = n - n_hold * chunk_len
@@ -123,7 +123,7 @@ def survey_exits(
             for _ in range(steps):
                 if context:
                     chunks = torch.randint(n_train // chunk_len, (max(1, batch_tokens // chunk_len),), generator=g)
-                    idx = (chunks.unsqueeze(1) * chunk_len + torch.arange(chunk_len)).flatten()
+                    idx = chunk_positions(chunks, chunk_len)
                 else:
                     idx = torch.randint(n_train, (batch_tokens,), generator=g)
                 student = unembed(_normed(stack, head, states[idx], chunk_len if context else 0))
