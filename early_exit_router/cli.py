@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-docs", action="store_true", help="Do not train on installed packages' READMEs.")
     train.add_argument("--no-gates", action="store_true", help="Do not fit learned gates.")
     train.add_argument(
+        "--pre-head-gates",
+        action="store_true",
+        help="Fit gates that run before the head (they can skip it) instead of head gates (a learned confidence "
+        "from the head's output, the state and the n-gram tier: more exits at the same agreement).",
+    )
+    train.add_argument(
         "--target-agreement",
         type=float,
         default=0.9,
@@ -460,6 +466,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         lr=args.lr,
         ce_weight=args.ce_weight,
         seed=args.seed,
+        head_gates=not args.pre_head_gates,
     )
     start = time.perf_counter()
     sequences, manifest = corpus_sequences(

@@ -318,10 +318,16 @@ class RouterConfig:
         return sorted({max(0, min(num_layers - 2, round(num_layers * f))) for f in (1 / 3, 2 / 3)})
 
     def replace(self, **changes: Any) -> RouterConfig:
-        """A validated copy with `changes` applied; unknown names raise a TypeError listing the valid ones."""
+        """A validated copy with `changes` applied; unknown names raise a TypeError listing the valid ones.
+
+        A new `high_conf_threshold` given without `low_conf_threshold` takes the low threshold down with it where
+        the old one would lie above it (a calibrated config uses the confidence rule alone, low = high)."""
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
         if unknown:
             raise TypeError(f"Unknown RouterConfig fields {unknown}; valid fields: {', '.join(self.field_names())}.")
+        high = changes.get("high_conf_threshold")
+        if "low_conf_threshold" not in changes and isinstance(high, (int, float)) and self.low_conf_threshold > high:
+            changes["low_conf_threshold"] = high
         return dataclasses.replace(self, **changes)
 
     @classmethod

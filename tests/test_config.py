@@ -45,6 +45,17 @@ def test_replace_rejects_unknown_fields_and_validates():
         RouterConfig().replace(high_conf_threshold=3)
 
 
+def test_a_new_high_threshold_alone_takes_the_low_one_down_with_it():
+    calibrated = RouterConfig(high_conf_threshold=0.95, low_conf_threshold=0.95)
+    lowered = calibrated.replace(high_conf_threshold=0.9)
+    assert (lowered.high_conf_threshold, lowered.low_conf_threshold) == (0.9, 0.9)
+    assert calibrated.replace(high_conf_threshold=0.99).low_conf_threshold == 0.95  # already below: kept
+    with pytest.raises(ValueError, match="low_conf_threshold .* is above"):
+        calibrated.replace(low_conf_threshold=0.99)  # an explicit low above high is still an error
+    with pytest.raises(ValueError, match="low_conf_threshold .* is above"):
+        calibrated.replace(high_conf_threshold=0.5, low_conf_threshold=0.6)
+
+
 def test_json_round_trip(tmp_path):
     config = RouterConfig(exit_layers=[1, 3], high_conf_threshold=0.8, block_size=2)
     config.save(tmp_path / "c.json")

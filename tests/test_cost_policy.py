@@ -49,6 +49,14 @@ def test_the_cost_model_is_measured_once_cached_and_invalidated_by_its_key(tmp_p
         cost_model_for(stack, heads, 32, max_chunk=4)  # another thread count: another key
 
 
+@pytest.mark.parametrize("head", [False, True], ids=["pre-head gates", "head gates"])
+def test_the_gate_is_timed_as_the_engine_calls_it(head):
+    """A head gate reads the head's output: the measurement feeds it the draft logits, as the engine does."""
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    router.heads.add_gates(router._stack.hidden_size, context=True, head=head)
+    assert costs.measure(router._stack, router.heads, 32, max_chunk=2).gate_ms > 0
+
+
 def test_a_table_from_an_older_measuring_method_is_measured_again(tmp_path, monkeypatch):
     import json
 

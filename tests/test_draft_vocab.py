@@ -10,8 +10,8 @@ from early_exit_router import EarlyExitRouter
 from early_exit_router.runtime.checkpoint import WEIGHTS_NAME, load_router
 from early_exit_router.runtime.heads import DRAFT_RANKING, draft_token_ranking
 from early_exit_router.runtime.policy import DraftPolicy
-from early_exit_router.tools.survey import break_even_acceptance, coverage_at, survey_exits
-from early_exit_router.tools.training import TrainingConfig, build_cache, distill_router
+from early_exit_router.tools.survey import break_even_acceptance, survey_exits
+from early_exit_router.tools.training import TrainingConfig, build_cache, coverage_at, distill_router
 
 from .conftest import MIXED, VOCAB, prompt, tiny_costs, tiny_llama
 
@@ -27,6 +27,25 @@ def test_ranking_orders_by_prediction_count_then_id():
     ranking = draft_token_ranking(top1, VOCAB)
     assert ranking[:5].tolist() == [7, 3, 5, 90, 0]  # 5 and 90 tie: lower id first; then never-predicted ids
     assert sorted(ranking.tolist()) == list(range(VOCAB))
+
+
+def test_the_entropy_rule_works_on_trimmed_draft_logits():
+    """Draft logits are -inf outside the draft ids: their entropy is that of the finite part, never NaN."""
+    from early_exit_router.config import RouterConfig
+    from early_exit_router.runtime.routing import Router
+
+    router = Router(RouterConfig(entropy_normalized=False, high_conf_threshold=0.99, low_conf_threshold=0.2), VOCAB)
+    finite = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    trimmed = torch.full((VOCAB,), float("-inf"))
+    trimmed[[3, 9, 17, 40]] = finite
+    confidence, entropy = router.confidence_entropy(trimmed)
+    p = torch.softmax(finite, -1)
+    torch.testing.assert_close(entropy, -(p * p.log()).sum())
+    torch.testing.assert_close(confidence, p.max())
+    # Below high but above low: only the entropy rule can let it exit.
+    assert bool(router.exit_rule(confidence, entropy)) == bool(entropy <= router.config.entropy_threshold)
+    loose = Router(router.config.replace(entropy_threshold=float(entropy) + 0.01), VOCAB)
+    assert bool(loose.exit_rule(*loose.confidence_entropy(trimmed)))
 
 
 def test_the_draft_head_takes_the_ranked_ids_and_verify_stays_exact(tmp_path):

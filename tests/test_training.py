@@ -158,6 +158,89 @@ def test_gates_with_context_train_save_and_steer_nothing_in_verify_mode(tmp_path
     assert torch.equal(fresh.generate(prompt(0), max_new_tokens=20, mode="exit").sequences, exit_out.sequences)
 
 
+def test_context_gates_see_the_ngram_match_of_the_current_context(monkeypatch):
+    """The engine memoises the gates' n-gram features per position (from the step's own proposal scan when there
+    is one); every gate call must still see what a fresh scan of the context would say, rollbacks included."""
+    from early_exit_router.runtime.engine import Engine
+    from early_exit_router.runtime.ngram import ngram_match
+
+    router, train, holdout, cfg = trained_router()
+    train_gates(router, train, holdout, cfg, context=True)
+    original, calls = Engine._gate, []
+
+    def checked(self, state, i, gate, last):
+        out = original(self, state, i, gate, last)
+        found = ngram_match(state.tokens, self.config.ngram_size, 1, self.config.ngram_min_size)[0]
+        assert state.context_ngram == (len(state.tokens), found[0] if found else -1)
+        calls.append(bool(found))
+        return out
+
+    monkeypatch.setattr(Engine, "_gate", checked)
+    repetitive = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    for mode in ("exit", "verify"):
+        for policy in ("fixed", "cost"):
+            config = {"mode": mode, "policy": policy, "gate_threshold": 0.0}
+            router.generate(repetitive, max_new_tokens=24, config=config)
+    assert calls and any(calls) and not all(calls)
+
+
+def test_ngram_proposals_replay_the_tiers_match_on_every_prefix():
+    from early_exit_router.runtime.ngram import ngram_match
+    from early_exit_router.tools.training import HiddenStateCache, ngram_proposals
+
+    n, chunks = 48, 3
+    nexts = torch.randint(0, 4, (n * chunks,), generator=torch.Generator().manual_seed(5))  # few ids: many repeats
+    cache = HiddenStateCache({}, torch.zeros(n * chunks, 4), nexts, chunk_len=n)
+    proposals = ngram_proposals(cache, ngram_max=4, ngram_min=2)
+    for c in range(chunks):
+        tokens = [-1] + nexts[c * n : (c + 1) * n - 1].tolist()
+        for t in range(n):
+            found = ngram_match(tokens[: t + 1], 4, 1, 2)[0]
+            assert proposals[c * n + t] == (found[0] if found else -1), (c, t)
+    assert (proposals >= 0).float().mean() > 0.5
+
+
+def test_head_gates_are_the_confidence_the_router_compares(tmp_path):
+    """A head gate runs after the head; its P(agree) replaces the maximum probability in the thresholds, in the
+    engine, in batches and in the offline replay; it saves and loads; verify mode stays exact."""
+    from early_exit_router.runtime.checkpoint import load_router
+    from tests.test_batching import left_padded, row_alone
+
+    router, train, holdout, cfg = trained_router()
+    quality = train_gates(router, train, holdout, cfg, head=True)
+    assert all(q["saved_at_recall"] == 0.0 and 0 <= q["exit_share_at_95"] <= 1 for q in quality.values())
+    gate = router.heads.gate(1)
+    assert gate.uses_head and gate.uses_context and gate.head.weight.abs().sum() > 0
+    assert not torch.equal(gate.head_mean, torch.zeros_like(gate.head_mean))  # standardised on the training set
+    with router.disabled() as plain:  # the patched model.generate would route in the config's (exit) mode
+        expected = plain.generate(prompt(0), max_new_tokens=20, do_sample=False)
+    assert torch.equal(router.generate(prompt(0), max_new_tokens=20, mode="verify").sequences, expected)
+
+    signals = exit_signals(router, holdout)  # offline: the confidence is the gate's, and the gate stops nothing
+    assert all(bool(s.gate_ok.all()) for s in signals)
+    assert not torch.allclose(signals[0].confidence, signals[0].confidence.round())
+
+    halfway = {"high_conf_threshold": 0.5, "low_conf_threshold": 0.5, "max_pending": 64}
+    exit_out = router.generate(prompt(0), max_new_tokens=20, mode="exit", config=halfway)
+    router.save_pretrained(tmp_path / "r")
+    fresh = EarlyExitRouter._from_saved(tiny_llama(0), None, load_router(tmp_path / "r"), None, "tiny")
+    assert fresh.heads.gate(1).uses_head and torch.equal(fresh.heads.gate(1).head_scale, gate.head_scale)
+    assert torch.equal(fresh.generate(prompt(0), 20, mode="exit", config=halfway).sequences, exit_out.sequences)
+
+    for bias, exited in ((30.0, True), (-30.0, False)):  # the gate alone now decides every consultation
+        with torch.no_grad():
+            for e in (1, 3):
+                router.heads.gate(e).linear.bias.fill_(bias)
+        out = router.generate(prompt(0), max_new_tokens=20, mode="exit", config=halfway)
+        assert all((d == 1) == exited for d in out.depths[1:]), (bias, out.depths)
+        if exited:  # a batch where every row exits equals each row run alone
+            ids, mask = left_padded([4, 6], 2)
+            batch = router.generate(ids, 12, mode="exit", attention_mask=mask, config=halfway)
+            for r in range(2):
+                alone = router.generate(row_alone(ids, mask, r), 12, mode="exit", config=halfway)
+                assert torch.equal(batch.sequences[r, ids.shape[1] :], alone.sequences[0, -12:])
+
+
 def test_generated_prompts_are_seeded_mixed_and_never_held_out_text():
     from early_exit_router.tools.corpus import generated_prompts
 

@@ -35,7 +35,7 @@ from early_exit_router.config import RouterConfig
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.runtime.engine import DecodeRequest
-from early_exit_router.runtime.heads import ExitHeads, draft_logits
+from early_exit_router.runtime.heads import ExitHeads, draft_logits, gate_probability, uses_head
 from early_exit_router.runtime.routing import Router
 from early_exit_router.runtime.sampling import TokenSelector
 from early_exit_router.stats import GenerationStats
@@ -262,10 +262,12 @@ class BatchDecode:
         last = hidden[:, -1]  # (b, hidden)
         active = torch.tensor([not row.done for row in self.rows], device=last.device)
         gate = self.heads.gate(layer) if self.config.use_gate else None
-        if gate is not None and not bool((self.router.gate_allows(gate(last).reshape(-1)) | ~active).all()):
-            return False  # the gate runs first: no head for a step some row cannot take
+        if gate is not None and not uses_head(gate):  # the gate runs first: no head for a step some row cannot take
+            if not bool((self.router.gate_allows(gate_probability(gate, last).reshape(-1)) | ~active).all()):
+                return False
         logits = draft_logits(self.stack, self.heads.adapter(layer), self.draft, last)  # (b, vocab)
-        flags, confidence = self.router.head_signal(logits)  # (b,), (b,)
+        learned = gate_probability(gate, last, None, logits) if uses_head(gate) else None
+        flags, confidence = self.router.head_signal(logits, learned=learned)  # (b,), (b,)
         if not bool((flags | ~active).all()):
             return False
         self.router.record_exit(self.routing, float(confidence[active].min()) if bool(active.any()) else 1.0)

@@ -226,7 +226,7 @@ def measure(
     a transient slowdown (another process, a kernel's first call at a new shape) then spoils one round of a few
     entries, not the table. A real plain decoding step is timed too, as a check printed beside the table."""
     from early_exit_router.models._compat import crop_cache_layer, prepare_for_rollback
-    from early_exit_router.runtime.heads import draft_logits, needs_context
+    from early_exit_router.runtime.heads import draft_logits, gate_probability, needs_context
 
     device, dtype, hidden = stack.device, stack.dtype, stack.hidden_size
     timed = _timer(device, reps)
@@ -269,7 +269,10 @@ def measure(
     draft = heads.draft_head(stack, draft_vocab_size) if draft_vocab_size else None
     draft_ms = timed(lambda: draft_logits(stack, adapter, draft, row)) if exit_layer is not None else 0.0
     gate = heads.gate(exit_layer) if exit_layer is not None else None
-    gate_ms = timed(lambda: gate(row)) if gate is not None else 0.0
+    gate_ms = 0.0
+    if gate is not None:  # a head gate also reads the head's output: time it with the features it computes
+        logits = draft_logits(stack, adapter, draft, row)
+        gate_ms = timed(lambda: gate_probability(gate, row, None, logits))
     key = cost_key(stack, draft_vocab_size, max_chunk)
     return CostModel(layer_ms, head_ms, draft_ms, gate_ms, stack.num_layers, key, context, real_step_ms)
 

@@ -29,7 +29,14 @@ from early_exit_router.config import RouterConfig
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.runtime.costs import CostModel
-from early_exit_router.runtime.heads import BlockContext, ExitHeads, draft_logits, gate_probability, needs_context
+from early_exit_router.runtime.heads import (
+    BlockContext,
+    ExitHeads,
+    draft_logits,
+    gate_probability,
+    needs_context,
+    uses_head,
+)
 from early_exit_router.runtime.ngram import SuffixStore, ngram_match
 from early_exit_router.runtime.policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
 from early_exit_router.runtime.routing import FULL_DEPTH, Router, RoutingState
@@ -93,6 +100,8 @@ class SequenceState:
     exited_seen: int = 0  # exit mode: exited tokens the deep layers have seen (checked or not)
     plan_counts: dict[str, int] = field(default_factory=dict)
     blocks: dict[int, BlockContext] = field(default_factory=dict)  # exit index -> its block adapter's context
+    # Gates' memo of the n-gram tier's view of this context: (context length, the token it would copy next or -1).
+    context_ngram: tuple[int, int] = (-1, -1)
 
     @property
     def new_tokens(self) -> int:
@@ -389,9 +398,10 @@ class Engine:
                 continue  # the probed position was rolled back: nothing to ask the block about
             layer = self.exits[i]
             logits = self._draft_logits(state, i, last)  # (1, vocab)
-            flag, _ = self.router.head_signal(logits[0], state.routing.threshold_shift)
             gate = self.heads.gate(layer) if self.config.use_gate else None
-            if gate is not None:
+            learned = self._gate(state, i, gate, last, logits) if uses_head(gate) else None
+            flag, _ = self.router.head_signal(logits[0], state.routing.threshold_shift, learned)
+            if gate is not None and learned is None:
                 flag = flag & self.router.gate_allows(self._gate(state, i, gate, last))[0]
             probed.append(i)
             signals.append(flag & (logits[0].argmax() == deep_token))
@@ -406,6 +416,7 @@ class Engine:
         if budget <= 0:
             return [], 0
         found = ngram_match(state.tokens, self.config.ngram_size, budget, self.config.ngram_min_size)
+        state.context_ngram = (len(state.tokens), found[0][0] if found[0] else -1)  # gates read this scan's answer
         if self.store is not None:
             stored = self.store.lookup(state.tokens, budget)
             if (stored[1], len(stored[0])) > (found[1], len(found[0])):
@@ -471,7 +482,7 @@ class Engine:
         router = self.router
         last = hidden[:, -1]  # (1, hidden): the current token at this exit
         gate = self.heads.gate(layer) if self.config.use_gate else None
-        if target is None and gate is not None:
+        if target is None and gate is not None and not uses_head(gate):
             t0 = time.perf_counter()
             allowed = bool(router.gate_allows(self._gate(state, i, gate, last)).item())
             state.routing_s += time.perf_counter() - t0
@@ -485,7 +496,8 @@ class Engine:
         chosen: list[float] = []  # the token id, when the decision's sync fetched it
         if target is None:
             t0 = time.perf_counter()
-            exit_flag, confidence = router.head_signal(logits[0], state.routing.threshold_shift)
+            learned = self._gate(state, i, gate, last, logits) if uses_head(gate) else None
+            exit_flag, confidence = router.head_signal(logits[0], state.routing.threshold_shift, learned)
             signals = [exit_flag.double(), confidence.double()]
             flag, conf, *chosen = torch.stack(
                 signals + ([] if token is None else [token.reshape(()).double()])
@@ -506,16 +518,29 @@ class Engine:
         self._append(state, token, int(token_id), layer, logits, request)
         return True
 
-    def _gate(self, state: SequenceState, i: int, gate: torch.nn.Module, last: torch.Tensor) -> torch.Tensor:
+    def _gate(
+        self,
+        state: SequenceState,
+        i: int,
+        gate: torch.nn.Module,
+        last: torch.Tensor,
+        logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Exit `i`'s gate probability (1,) for the current position: its hidden state `last` and, for a gate that
-        weighs them, the context features (`heads.GATE_CONTEXT`) as training replayed them."""
-        context = None
-        if getattr(gate, "uses_context", False):
+        weighs them, the context features (`heads.GATE_CONTEXT`) as training replayed them and (a head gate) the
+        head's `logits`."""
+        context, proposed = None, None
+        if getattr(gate, "uses_context", False) or uses_head(gate):
             cfg = self.config
-            matched = bool(ngram_match(state.tokens, cfg.ngram_min_size, 1, cfg.ngram_min_size)[0])
+            length, token = state.context_ngram
+            if length != len(state.tokens):  # one O(context) scan per position, whichever exits ask
+                found = ngram_match(state.tokens, cfg.ngram_size, 1, cfg.ngram_min_size)[0]
+                token = found[0] if found else -1
+                state.context_ngram = (len(state.tokens), token)
             acceptance = state.tracker.estimate(("exit", i))
-            context = torch.tensor([[float(matched), acceptance]], device=last.device)
-        return gate_probability(gate, last, context)
+            context = torch.tensor([[float(token >= 0), acceptance]], device=last.device)
+            proposed = torch.tensor([token], device=last.device)
+        return gate_probability(gate, last, context, logits, proposed)
 
     def _draft_logits(self, state: SequenceState, i: int, last: torch.Tensor) -> torch.Tensor:
         """Exit `i`'s draft logits (1, vocab) for the current position, whose exit state is `last` (1, hidden).
@@ -686,6 +711,7 @@ class Engine:
         for block in state.blocks.values():
             block.rollback(keep)
         del state.tokens[keep:]
+        state.context_ngram = (-1, -1)  # the context may regrow to the same length with other tokens
         new_keep = keep - state.prompt_len
         del state.depth[new_keep:]
         del state.logits[new_keep:]

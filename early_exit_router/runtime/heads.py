@@ -241,18 +241,41 @@ def logits_from_normed(stack: Any, draft: DraftHead | None, normed: torch.Tensor
 
 
 GATE_CONTEXT = ("ngram_match", "recent_acceptance")  # what the engine tells a gate beyond the hidden state
+# What a head gate reads off the draft head's output: its five largest log probabilities, the largest probability,
+# the entropy (nats), and whether its top-1 is the token the n-gram tier would copy here (two weak predictors that
+# agree are right far more often than either).
+HEAD_FEATURES = ("log_p1", "log_p2", "log_p3", "log_p4", "log_p5", "confidence", "entropy", "ngram_agrees")
+
+
+def head_features(logits: torch.Tensor, ngram_token: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., vocab) head logits [and (...) the n-gram tier's proposed token, -1 for none] -> (...,
+    len(HEAD_FEATURES)) float32 features for a head gate."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    top, top_ids = log_probs.topk(5, dim=-1)
+    top = top.clamp(min=-30.0)  # a trimmed head's -inf tail stays finite
+    entropy = torch.special.entr(log_probs.exp()).sum(dim=-1, keepdim=True)
+    if ngram_token is None:
+        agrees = torch.zeros_like(entropy)
+    else:
+        agrees = (top_ids[..., :1] == ngram_token.to(top_ids.device).reshape(*top_ids.shape[:-1], 1)).float()
+    return torch.cat([top, top[..., :1].exp(), entropy, agrees], dim=-1)
 
 
 class LearnedGate(nn.Module):
-    """A logistic gate on the exit's hidden state: P(this exit's top-1 equals the final top-1).
+    """A logistic gate: P(this exit's top-1 equals the final top-1).
 
-    It runs before the head, so a confident "no" skips the draft head. The hidden state is RMS normalised first, so
-    the gate is insensitive to the residual stream's growing scale with depth. With `context=True` it also weighs
-    cheap signals the head does not see: the state's log RMS, whether the n-gram tier matched the text just before
-    (`GATE_CONTEXT[0]`), and this exit's recent acceptance (`GATE_CONTEXT[1]`, the policy's running estimate).
+    The hidden state is RMS normalised first, so the gate is insensitive to the residual stream's growing scale with
+    depth. With `context=True` it also weighs cheap signals the head does not see: the state's log RMS, whether the
+    n-gram tier matched the text just before (`GATE_CONTEXT[0]`), and this exit's recent acceptance
+    (`GATE_CONTEXT[1]`, the policy's running estimate).
+
+    Without `head`, the gate runs before the head, so a confident "no" skips the draft head. With `head=True` it
+    runs after the head and also weighs the head's output (`HEAD_FEATURES`, standardised with the training set's
+    statistics): a learned confidence, which the router's confidence thresholds then compare instead of the head's
+    maximum probability.
     """
 
-    def __init__(self, hidden_size: int, context: bool = False) -> None:
+    def __init__(self, hidden_size: int, context: bool = False, head: bool = False) -> None:
         super().__init__()
         self.linear = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.linear.weight)
@@ -260,13 +283,25 @@ class LearnedGate(nn.Module):
         self.context = nn.Linear(1 + len(GATE_CONTEXT), 1, bias=False) if context else None
         if self.context is not None:
             nn.init.zeros_(self.context.weight)
+        self.head = nn.Linear(len(HEAD_FEATURES), 1, bias=False) if head else None
+        if self.head is not None:
+            nn.init.zeros_(self.head.weight)
+            self.register_buffer("head_mean", torch.zeros(len(HEAD_FEATURES)))
+            self.register_buffer("head_scale", torch.ones(len(HEAD_FEATURES)))
 
     @property
     def uses_context(self) -> bool:
         return self.context is not None
 
-    def forward(self, hidden: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., hidden) [and (..., len(GATE_CONTEXT)) context features] -> (...) probabilities."""
+    @property
+    def uses_head(self) -> bool:
+        return self.head is not None
+
+    def forward(
+        self, hidden: torch.Tensor, context: torch.Tensor | None = None, head: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(..., hidden) [and (..., len(GATE_CONTEXT)) context, (..., len(HEAD_FEATURES)) head features] -> (...)
+        probabilities."""
         h = hidden.float()
         ms = h.pow(2).mean(-1, keepdim=True) + 1e-6
         h = h * torch.rsqrt(ms)
@@ -276,12 +311,32 @@ class LearnedGate(nn.Module):
                 context = torch.tensor([0.0, 0.5], device=h.device).expand(*h.shape[:-1], len(GATE_CONTEXT))
             features = torch.cat([0.5 * ms.log(), context.float()], dim=-1)  # log RMS, then the context
             logit = logit + self.context(features.to(self.context.weight.dtype)).float()
+        if self.head is not None:
+            if head is None:
+                raise ValueError("This gate weighs the head's output: pass head_features(logits).")
+            scaled = (head.float() - self.head_mean.float()) / self.head_scale.float()
+            logit = logit + self.head(scaled.to(self.head.weight.dtype)).float()
         return torch.sigmoid(logit).squeeze(-1)
 
 
-def gate_probability(gate: nn.Module, hidden: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-    """A gate's probability for `hidden`: context features go only to gates that use them (custom gates take the
-    hidden state alone)."""
+def uses_head(gate: nn.Module | None) -> bool:
+    """True for a gate that runs after the head and weighs its output (a learned confidence)."""
+    return bool(getattr(gate, "uses_head", False))
+
+
+def gate_probability(
+    gate: nn.Module,
+    hidden: torch.Tensor,
+    context: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
+    ngram_token: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A gate's probability for `hidden`: context features go only to gates that use them, head features (from
+    `logits` and the n-gram tier's `ngram_token`) only to head gates (custom gates take the hidden state alone)."""
+    if uses_head(gate):
+        if logits is None:
+            raise ValueError("A head gate runs after the head: pass the head's logits.")
+        return gate(hidden, context if gate.uses_context else None, head_features(logits, ngram_token))
     if getattr(gate, "uses_context", False):
         return gate(hidden, context)
     return gate(hidden)
@@ -368,10 +423,11 @@ class ExitHeads(nn.Module):
         self.register_buffer(DRAFT_RANKING, ranking.to(device))
         self.__dict__.pop("_draft_heads", None)
 
-    def add_gates(self, hidden_size: int, context: bool = False) -> None:
-        """Give every exit a (zero-initialised) learned gate, with context features or not; training fills them."""
+    def add_gates(self, hidden_size: int, context: bool = False, head: bool = False) -> None:
+        """Give every exit a (zero-initialised) learned gate, with context and head features or not; training fills
+        them."""
         for e in self.exit_layers:
-            self.gates[str(e)] = LearnedGate(hidden_size, context)
+            self.gates[str(e)] = LearnedGate(hidden_size, context, head)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

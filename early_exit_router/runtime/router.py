@@ -193,8 +193,12 @@ class EarlyExitRouter:
         heads = ExitHeads(
             saved.exit_layers, stack.hidden_size, config.adapter, config.adapter_rank, block_source(stack)
         )
-        if saved.has_gates:  # gates saved with context weights were trained with them
-            heads.add_gates(stack.hidden_size, context=any(k.endswith(".context.weight") for k in saved.tensors))
+        if saved.has_gates:  # the saved weights say which features the gates were trained with
+            heads.add_gates(
+                stack.hidden_size,
+                context=any(k.endswith(".context.weight") for k in saved.tensors),
+                head=any(k.endswith(".head.weight") for k in saved.tensors),
+            )
         if DRAFT_RANKING in saved.tensors:
             try:
                 heads.set_draft_token_ranking(saved.tensors[DRAFT_RANKING], stack.vocab_size)

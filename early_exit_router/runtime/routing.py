@@ -5,6 +5,8 @@ The cascade at one exit (all thresholds from `RouterConfig`):
 1. Learned gate (optional, runs before the head): if P(agree) < `gate_threshold`, go deeper without computing
    the full-vocabulary head at all.
 2. Confidence `c = max softmax(logits)`: exit if `c >= high_conf_threshold`; go deeper if `c < low_conf_threshold`.
+   A head gate (`LearnedGate(head=True)`) runs after the head instead, and its P(agree), learned from the head's
+   output, the hidden state and the context, is the `c` the thresholds compare.
 3. Between the two, entropy `H` (in nats, or `H / log(vocab)` when normalised): exit if `H <= entropy_threshold`.
 
 Window rules, checked before the cascade: at most `max_pending` exited tokens may wait for the deep layers, and an
@@ -13,7 +15,8 @@ optional window of recent exit confidences whose mean falls below `window_min_co
 Learned-gate hook: a gate is any module mapping the exit's hidden state `(1, hidden)` to a probability `(1,)`;
 `ExitHeads.gates` holds trained `LearnedGate`s, and `EarlyExitRouter.set_gate(layer, module)` installs a custom one.
 A gate whose `uses_context` is True also receives `(1, 2)` context features (`heads.GATE_CONTEXT`: whether the
-n-gram tier matches the text just before, and the exit's running acceptance estimate).
+n-gram tier matches the text just before, and the exit's running acceptance estimate); one whose `uses_head` is
+True runs after the head and also receives `heads.head_features` of its logits (see step 2).
 """
 
 from __future__ import annotations
@@ -81,9 +84,9 @@ class Router:
 
     def confidence_entropy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., vocab) logits -> max probability and entropy (normalised when configured), shape (...)."""
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        probs = log_probs.exp()
-        entropy = -(probs * log_probs).sum(dim=-1)
+        probs = torch.softmax(logits.float(), dim=-1)
+        # entr(0) = 0: a trimmed draft head's -inf logits (probability 0) add nothing, where p * log p would be NaN.
+        entropy = torch.special.entr(probs).sum(dim=-1)
         if self.config.entropy_normalized:
             entropy = entropy / self.log_vocab
         return probs.amax(dim=-1), entropy
@@ -95,9 +98,16 @@ class Router:
         low = min(1.0, max(0.0, cfg.low_conf_threshold + shift))
         return (confidence >= high) | ((confidence >= low) & (entropy <= cfg.entropy_threshold))
 
-    def head_signal(self, logits: torch.Tensor, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(..., vocab) head logits -> (exit flags, confidences) of shape (...), on the logits' device (no sync)."""
+    def head_signal(
+        self, logits: torch.Tensor, shift: float = 0.0, learned: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., vocab) head logits -> (exit flags, confidences) of shape (...), on the logits' device (no sync).
+
+        `learned`, a head gate's P(agree) of shape (...), replaces the maximum probability as the confidence the
+        thresholds compare (the entropy rule still reads the logits)."""
         confidence, entropy = self.confidence_entropy(logits)
+        if learned is not None:
+            confidence = learned.reshape(confidence.shape).float()
         return self.exit_rule(confidence, entropy, shift), confidence
 
     def adjust(self, state: RoutingState, rolling_agreement: float) -> None:

@@ -1,9 +1,10 @@
 """Head quality on cached hidden states: agreement with the full model before and after training, and routing.
 
 Heads are evaluated as the engine drafts: through the trimmed draft head where the config has one. For every
-position the router's cascade is replayed offline: gate (when present and enabled), then the
-confidence/entropy rule, exit after exit. Reported per exit: top-1 agreement of the logit lens and of the trained
-head over all positions, the share of positions the cascade lets exit there, and the agreement among those.
+position the router's cascade is replayed offline: gate (when present and enabled; a head gate's P(agree) is the
+confidence instead), then the confidence/entropy rule, exit after exit. Reported per exit: top-1 agreement of the
+logit lens and of the trained head over all positions, the share of positions the cascade lets exit there, and the
+agreement among those.
 """
 
 from __future__ import annotations
@@ -14,10 +15,17 @@ from typing import Any
 import torch
 
 from early_exit_router.config import RouterConfig
-from early_exit_router.runtime.heads import gate_probability
+from early_exit_router.runtime.heads import gate_probability, uses_head
 from early_exit_router.runtime.policy import AcceptanceTracker
 from early_exit_router.runtime.routing import Router
-from early_exit_router.tools.training import HiddenStateCache, batch_size_for, gate_context, head_logits, teacher_top1
+from early_exit_router.tools.training import (
+    HiddenStateCache,
+    batch_size_for,
+    gate_context,
+    head_logits,
+    ngram_proposals,
+    teacher_top1,
+)
 
 
 @dataclass
@@ -63,17 +71,28 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
             flags.append(decide.exit_rule(conf, ent).cpu())
             confs.append(conf.cpu())
             ents.append(ent.cpu())
-        # A context gate sees the features replayed from the verdicts (see `training.gate_context`).
-        context = None
-        if getattr(gate, "uses_context", False):
-            context = gate_context(cache, torch.cat(agree).float(), config.ngram_min_size, AcceptanceTracker.rate)
+        # A context or head gate sees the features replayed from the verdicts (see `training.gate_context`).
+        context, proposals = None, None
+        if getattr(gate, "uses_context", False) or uses_head(gate):
+            proposals = ngram_proposals(cache, config.ngram_size, config.ngram_min_size)
+            context = gate_context(
+                cache, torch.cat(agree).float(), config.ngram_min_size, AcceptanceTracker.rate, proposals
+            )
         for s in range(0, len(cache), batch):
-            if gate is None:
+            if gate is None or uses_head(gate):  # a head gate never stops the head: it is the confidence
                 gates.append(torch.ones(min(batch, len(cache) - s), dtype=torch.bool))
+            if gate is None:
                 continue
             h = cache.exits[layer][s : s + batch].to(stack.device, stack.dtype)
-            prob = gate_probability(gate, h, None if context is None else context[s : s + batch].to(stack.device))
-            gates.append(decide.gate_allows(prob).cpu())
+            part = None if context is None else context[s : s + batch].to(stack.device)
+            if not uses_head(gate):
+                gates.append(decide.gate_allows(gate_probability(gate, h, part)).cpu())
+                continue
+            logits = head_logits(stack, router.heads.adapter(layer), h, cache.chunk_len, draft)
+            learned = gate_probability(gate, h, part, logits, proposals[s : s + batch]).float()
+            k = s // batch
+            confs[k] = learned.cpu()
+            flags[k] = decide.exit_rule(learned, ents[k].to(learned.device)).cpu()
         out.append(
             ExitSignals(
                 layer,
@@ -118,17 +137,14 @@ def quality_table(signals: list[ExitSignals]) -> list[ExitQuality]:
 def suggest_high_threshold(
     signals: list[ExitSignals], config: RouterConfig, vocab_size: int, target: float
 ) -> tuple[float, float, float]:
-    """The lowest high_conf_threshold whose cascade keeps agreement among exited positions >= `target`.
+    """The lowest threshold whose cascade keeps agreement among exited positions >= `target`.
 
-    The other thresholds stay as in `config` (low capped at high). Returns (threshold, exit share, agreement).
-    A plain sweep on the data given.
+    The confidence rule alone (`high_conf_threshold = low_conf_threshold`), as `calibrate` sweeps it, so that one
+    number orders the candidates. Returns (threshold, exit share, agreement). A plain sweep on the data given.
     """
     best = (1.0, 0.0, 1.0)
     for high in [x / 100 for x in range(30, 100, 2)]:
-        rule = Router(
-            config.replace(high_conf_threshold=high, low_conf_threshold=min(config.low_conf_threshold, high)),
-            vocab_size,
-        )
+        rule = Router(config.replace(high_conf_threshold=high, low_conf_threshold=high), vocab_size)
         flags = [rule.exit_rule(s.confidence, s.entropy) for s in signals]
         rows = cascade(signals, flags)
         exited = sum(share for _, share, _ in rows)

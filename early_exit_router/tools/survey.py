@@ -24,7 +24,7 @@ from early_exit_router.models.architecture import dense
 from early_exit_router.runtime.costs import CostModel
 from early_exit_router.runtime.heads import block_source, exit_normed, make_adapter, needs_context
 from early_exit_router.runtime.policy import DraftPolicy
-from early_exit_router.tools.training import HiddenStateCache, chunk_positions, distillation_loss
+from early_exit_router.tools.training import HiddenStateCache, chunk_positions, coverage_at, distillation_loss
 
 
 @dataclass
@@ -37,14 +37,6 @@ class SurveyRow:
     break_even: float  # acceptance at which drafting from this exit equals plain decoding
     speedup: float  # best cycle's tokens per ms over plain decoding's, at acceptance = trained_agreement
     seconds: float  # fitting time
-
-
-def coverage_at(confidence: torch.Tensor, correct: torch.Tensor, precision: float) -> float:
-    """Largest share of positions that, taken most confident first, agree with the full model at `precision`."""
-    order = confidence.argsort(descending=True)
-    running = correct[order].float().cumsum(0) / torch.arange(1, len(order) + 1)
-    ok = (running >= precision).nonzero()
-    return float(ok.max() + 1) / len(order) if len(ok) else 0.0
 
 
 def break_even_acceptance(policy: DraftPolicy, tier: int, max_draft: int) -> float:

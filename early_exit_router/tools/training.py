@@ -28,6 +28,7 @@ from early_exit_router.runtime.heads import (
     LearnedGate,
     draft_token_ranking,
     exit_normed,
+    head_features,
     logits_from_normed,
     needs_context,
 )
@@ -47,6 +48,9 @@ class TrainingConfig:
     seed: int = 0
     holdout_share: float = 0.05  # positions kept out of training, for the report and the gate check
     gate_steps: int = 300
+    # Gates after the head (a learned confidence from the head's output, the state and the context), or, when False,
+    # before it (they can skip the head, but see less).
+    head_gates: bool = True
     chunk_len: int = 256  # positions per forward pass when caching hidden states
     draft_vocab_only: bool = True  # distil over the router's trimmed draft vocabulary, when it has one
 
@@ -183,6 +187,9 @@ class TrainingReport:
     gate_auc: dict[int, float] = field(default_factory=dict)  # held out: P(score of an agreeing > a disagreeing)
     gate_saved_at_recall: dict[int, float] = field(default_factory=dict)  # head calls skipped at 0.95 recall
     confidence_auc: dict[int, float] = field(default_factory=dict)  # held out: the same for the head's confidence
+    gate_kind: str = ""  # "head" (after the head) or "pre-head"
+    gate_exit_share_at_95: dict[int, float] = field(default_factory=dict)  # held out, ranked by the gate
+    confidence_exit_share_at_95: dict[int, float] = field(default_factory=dict)  # ranked by the head's confidence
     config: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -309,29 +316,74 @@ def exit_top1(
     return (torch.cat(tops), torch.cat(confidences)) if with_confidence else torch.cat(tops)
 
 
-def gate_context(cache: HiddenStateCache, agree: torch.Tensor, ngram_min: int = 2, rate: float = 0.15) -> torch.Tensor:
+def ngram_proposals(cache: HiddenStateCache, ngram_max: int = 4, ngram_min: int = 2) -> torch.Tensor:
+    """(N,) the token the n-gram tier would copy at every cached position (-1: no match), replayed within each
+    chunk as `ngram.ngram_match` finds it: the latest earlier occurrence of the longest suffix of `ngram_max` down
+    to `ngram_min` tokens. Without chunks: -1 everywhere."""
+    proposals = torch.full((len(cache),), -1, dtype=torch.long)
+    if not cache.chunk_len:
+        return proposals
+    n = cache.chunk_len
+    sizes = range(ngram_max, ngram_min - 1, -1)
+    for c in range(cache.num_chunks):
+        tokens = [-1] + cache.next_token[c * n : (c + 1) * n - 1].tolist()  # the token at each position
+        latest: dict[tuple[int, ...], int] = {}  # n-gram -> its latest start whose follower is known
+        out = proposals[c * n : (c + 1) * n]
+        for t in range(n):
+            for k in sizes:
+                if t - k >= 0:
+                    latest[tuple(tokens[t - k : t])] = t - k
+            for k in sizes:
+                if t + 1 > k and (start := latest.get(tuple(tokens[t - k + 1 : t + 1]))) is not None:
+                    out[t] = tokens[start + k]
+                    break
+    return proposals
+
+
+def gate_context(
+    cache: HiddenStateCache,
+    agree: torch.Tensor,
+    ngram_min: int = 2,
+    rate: float = 0.15,
+    proposals: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(N, 2) the gate's context features at every cached position, replayed as the engine sees them:
-    whether the last `ngram_min` tokens occurred earlier in the chunk (the n-gram tier would match), and the
-    exit's running acceptance (an exponential average of the previous positions' verdicts `agree`, from 0.5 at a
-    chunk's start, updated at `rate` as the policy's tracker is). Without chunks: no match, acceptance 0.5."""
+    whether the n-gram tier would match here (`proposals` from `ngram_proposals`, or a match of the last `ngram_min`
+    tokens earlier in the chunk), and the exit's running acceptance (an exponential average of the previous
+    positions' verdicts `agree`, from 0.5 at a chunk's start, updated at `rate` as the policy's tracker is).
+    Without chunks: no match, acceptance 0.5."""
     features = torch.zeros(len(cache), 2)
     features[:, 1] = 0.5
     if not cache.chunk_len:
         return features
+    if proposals is None:
+        proposals = ngram_proposals(cache, ngram_min, ngram_min)
+    features[:, 0] = (proposals >= 0).float()
     n = cache.chunk_len
     for c in range(cache.num_chunks):
-        nexts = cache.next_token[c * n : (c + 1) * n].tolist()
-        verdicts = agree[c * n : (c + 1) * n].tolist()
-        tokens = [-1] + nexts[:-1]  # the token at each position (the first one is not cached)
-        seen: set[tuple[int, ...]] = set()
         acceptance = 0.5
-        for t in range(n):
-            if t >= ngram_min:
-                seen.add(tuple(tokens[t - ngram_min : t]))  # the n-gram ending just before position t
-                features[c * n + t, 0] = float(tuple(tokens[t - ngram_min + 1 : t + 1]) in seen)
+        for t, verdict in enumerate(agree[c * n : (c + 1) * n].tolist()):
             features[c * n + t, 1] = acceptance
-            acceptance += rate * (float(verdicts[t]) - acceptance)
+            acceptance += rate * (float(verdict) - acceptance)
     return features
+
+
+@torch.no_grad()
+def exit_head_features(router: Any, cache: HiddenStateCache, layer: int, proposals: torch.Tensor) -> torch.Tensor:
+    """(N, len(HEAD_FEATURES)) what a head gate reads off exit `layer`'s draft head at every cached position, with
+    the n-gram tier's replayed `proposals` (N,)."""
+    stack, batch = router._stack, batch_size_for(cache)
+    draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
+    adapter = router.heads.adapter(layer)
+    return torch.cat(
+        [
+            head_features(
+                head_logits(stack, adapter, cache.exits[layer][s : s + batch], cache.chunk_len, draft),
+                proposals[s : s + batch],
+            ).cpu()
+            for s in range(0, len(cache), batch)
+        ]
+    )
 
 
 def train_gates(
@@ -341,13 +393,15 @@ def train_gates(
     cfg: TrainingConfig,
     max_positions: int = 20_000,
     context: bool = True,
+    head: bool = False,
 ) -> dict[int, dict[str, float]]:
     """Fit a logistic gate per exit predicting agreement with the full model (with the context features of
-    `gate_context` unless `context` is False).
+    `gate_context` unless `context` is False; with `head`, also the head's output: a head gate, see `LearnedGate`).
 
     Returns, per exit, held-out `accuracy` at 0.5, `auc`, `saved_at_recall` (the share of head calls the gate skips
-    at a threshold that still lets 95% of the agreeing positions through), and `confidence_auc`: the AUC of the
-    head's own confidence, which the confidence rule after the head uses."""
+    at a threshold that still lets 95% of the agreeing positions through; 0 for a head gate, which runs after the
+    head), `confidence_auc`: the AUC of the head's own confidence, and the share of positions that can exit at 0.95
+    agreement when ranked by the gate (`exit_share_at_95`) and by the confidence (`confidence_exit_share_at_95`)."""
     g = torch.Generator().manual_seed(cfg.seed)
     if train.chunk_len:
         train = train.select_chunks(
@@ -355,41 +409,61 @@ def train_gates(
         )
     else:
         train = train.select(torch.randperm(len(train), generator=g)[:max_positions])
+    config = router.config
     target, target_hold = teacher_top1(router, train), teacher_top1(router, holdout)
-    router.heads.add_gates(router._stack.hidden_size, context)
+    router.heads.add_gates(router._stack.hidden_size, context, head)
     quality = {}
     for layer in router.heads.exit_layers:
         gate: LearnedGate = router.heads.gate(layer).float()
-        y = (exit_top1(router, train, layer) == target).float()
-        x = train.exits[layer]
-        features = gate_context(train, y, router.config.ngram_min_size, AcceptanceTracker.rate) if context else None
+        inputs = {}
+        for name, cache, teacher in (("train", train, target), ("holdout", holdout, target_hold)):
+            top, confidence = exit_top1(router, cache, layer, with_confidence=True)
+            agree = top == teacher
+            replayed = ngram_proposals(cache, config.ngram_size, config.ngram_min_size)
+            features = (
+                gate_context(cache, agree.float(), config.ngram_min_size, AcceptanceTracker.rate, replayed)
+                if context
+                else None
+            )
+            heads = exit_head_features(router, cache, layer, replayed) if head else None
+            inputs[name] = (cache.exits[layer], features, heads, agree, confidence)
+        x, features, heads, agree, _ = inputs["train"]
+        y = agree.float()
+        if heads is not None:  # standardised with the training set's statistics, kept in the gate's buffers
+            gate.head_mean.copy_(heads.mean(0))
+            gate.head_scale.copy_(heads.std(0).clamp(min=1e-3))
         optimizer = torch.optim.Adam(gate.parameters(), lr=1e-2)
-        # Weigh the rarer class up, so that the gate neither always says yes nor always no.
+        # A pre-head gate weighs the rarer class up, so that it neither always says yes nor always no. A head gate
+        # is a confidence the thresholds compare, so it stays an unweighted (calibrated) estimate of P(agree).
         pos = y.mean().clamp(1e-3, 1 - 1e-3)
-        weights = torch.where(y > 0, 0.5 / pos, 0.5 / (1 - pos))
+        weights = None if head else torch.where(y > 0, 0.5 / pos, 0.5 / (1 - pos))
         for _ in range(cfg.gate_steps):
-            prob = gate(x, features).clamp(1e-6, 1 - 1e-6)
+            prob = gate(x, features, heads).clamp(1e-6, 1 - 1e-6)
             loss = nn.functional.binary_cross_entropy(prob, y, weight=weights)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
         with torch.no_grad():
-            top, confidence = exit_top1(router, holdout, layer, with_confidence=True)
-            y_hold = top == target_hold
-            hold_features = (
-                gate_context(holdout, y_hold.float(), router.config.ngram_min_size, AcceptanceTracker.rate)
-                if context
-                else None
-            )
-            score = gate(holdout.exits[layer], hold_features)
+            x, features, heads, y_hold, confidence = inputs["holdout"]
+            score = gate(x, features, heads)
             quality[layer] = {
                 "accuracy": float(((score >= 0.5) == y_hold).float().mean()),
                 "auc": roc_auc(score, y_hold),
-                "saved_at_recall": saved_at_recall(score, y_hold, 0.95),
+                "saved_at_recall": 0.0 if head else saved_at_recall(score, y_hold, 0.95),
                 "confidence_auc": roc_auc(confidence, y_hold),
+                "exit_share_at_95": coverage_at(score, y_hold, 0.95),
+                "confidence_exit_share_at_95": coverage_at(confidence, y_hold, 0.95),
             }
         gate.to(device=router._stack.device, dtype=router._stack.dtype)
     return quality
+
+
+def coverage_at(score: torch.Tensor, correct: torch.Tensor, precision: float) -> float:
+    """Largest share of positions that, taken highest score first, agree with the full model at `precision`."""
+    order = score.argsort(descending=True)
+    running = correct[order].float().cumsum(0) / torch.arange(1, len(order) + 1)
+    ok = (running >= precision).nonzero()
+    return float(ok.max() + 1) / len(order) if len(ok) else 0.0
 
 
 def roc_auc(score: torch.Tensor, positive: torch.Tensor) -> float:
@@ -485,8 +559,8 @@ def distill_router(
 ) -> dict[str, Any]:
     """Cache hidden states, train adapters (and gates), mark the heads trained, and return a report.
 
-    With `target_agreement`, `high_conf_threshold` is set to the lowest value whose replayed cascade keeps that
-    agreement on the held-out positions.
+    With `target_agreement`, the confidence rule's threshold (`high_conf_threshold = low_conf_threshold`) is set to
+    the lowest value whose replayed cascade keeps that agreement on the held-out positions.
     """
     from early_exit_router.tools.head_report import as_dicts, exit_signals, quality_table, suggest_high_threshold
 
@@ -499,11 +573,14 @@ def distill_router(
         router.heads.set_draft_token_ranking(draft_token_ranking(teacher_top1(router, train), vocab), vocab)
     report = train_heads(router, train, cfg, progress=progress)
     if gates:
-        quality = train_gates(router, train, holdout, cfg)
+        quality = train_gates(router, train, holdout, cfg, head=cfg.head_gates)
         report.gate_accuracy = {e: q["accuracy"] for e, q in quality.items()}
         report.gate_auc = {e: q["auc"] for e, q in quality.items()}
         report.gate_saved_at_recall = {e: q["saved_at_recall"] for e, q in quality.items()}
         report.confidence_auc = {e: q["confidence_auc"] for e, q in quality.items()}
+        report.gate_kind = "head" if cfg.head_gates else "pre-head"
+        report.gate_exit_share_at_95 = {e: q["exit_share_at_95"] for e, q in quality.items()}
+        report.confidence_exit_share_at_95 = {e: q["confidence_exit_share_at_95"] for e, q in quality.items()}
     router.config = router.config.replace(heads_trained=True)
     result: dict[str, Any] = {"training": report.to_dict(), "cache_seconds": round(cache_s, 1)}
     signals = exit_signals(router, holdout)
@@ -511,9 +588,7 @@ def distill_router(
         high, share, agreement = suggest_high_threshold(
             signals, router.config, router._stack.vocab_size, target_agreement
         )
-        router.config = router.config.replace(
-            high_conf_threshold=high, low_conf_threshold=min(router.config.low_conf_threshold, high)
-        )
+        router.config = router.config.replace(high_conf_threshold=high, low_conf_threshold=high)
         result["thresholds"] = {
             "high_conf_threshold": high,
             "holdout_exit_share": share,
