@@ -48,6 +48,18 @@ def test_the_entropy_rule_works_on_trimmed_draft_logits():
     assert bool(loose.exit_rule(*loose.confidence_entropy(trimmed)))
 
 
+def test_head_features_on_the_draft_ids_equal_those_on_the_full_width_logits():
+    from early_exit_router.runtime.heads import head_features
+
+    ids = torch.tensor([3, 9, 17, 40, 41, 60, 77])
+    trimmed = torch.full((2, VOCAB), float("-inf"))
+    trimmed[:, ids] = torch.randn(2, len(ids), generator=torch.Generator().manual_seed(1))
+    proposed = torch.tensor([int(ids[trimmed[0, ids].argmax()]), -1])  # row 0 agrees with the n-gram tier
+    full = head_features(trimmed, proposed)
+    torch.testing.assert_close(head_features(trimmed, proposed, ids), full)
+    assert full[:, -1].tolist() == [1.0, 0.0]
+
+
 def test_the_draft_head_takes_the_ranked_ids_and_verify_stays_exact(tmp_path):
     model = tiny_llama(0)
     ids = prompt(0)

@@ -266,7 +266,7 @@ class BatchDecode:
             if not bool((self.router.gate_allows(gate_probability(gate, last).reshape(-1)) | ~active).all()):
                 return False
         logits = draft_logits(self.stack, self.heads.adapter(layer), self.draft, last)  # (b, vocab)
-        learned = gate_probability(gate, last, None, logits) if uses_head(gate) else None
+        learned = gate_probability(gate, last, None, logits, None, self.draft) if uses_head(gate) else None
         flags, confidence = self.router.head_signal(logits, learned=learned)  # (b,), (b,)
         if not bool((flags | ~active).all()):
             return False

@@ -272,7 +272,7 @@ def measure(
     gate_ms = 0.0
     if gate is not None:  # a head gate also reads the head's output: time it with the features it computes
         logits = draft_logits(stack, adapter, draft, row)
-        gate_ms = timed(lambda: gate_probability(gate, row, None, logits))
+        gate_ms = timed(lambda: gate_probability(gate, row, None, logits, None, draft))
     key = cost_key(stack, draft_vocab_size, max_chunk)
     return CostModel(layer_ms, head_ms, draft_ms, gate_ms, stack.num_layers, key, context, real_step_ms)
 

@@ -540,7 +540,7 @@ class Engine:
             acceptance = state.tracker.estimate(("exit", i))
             context = torch.tensor([[float(token >= 0), acceptance]], device=last.device)
             proposed = torch.tensor([token], device=last.device)
-        return gate_probability(gate, last, context, logits, proposed)
+        return gate_probability(gate, last, context, logits, proposed, self.draft)
 
     def _draft_logits(self, state: SequenceState, i: int, last: torch.Tensor) -> torch.Tensor:
         """Exit `i`'s draft logits (1, vocab) for the current position, whose exit state is `last` (1, hidden).

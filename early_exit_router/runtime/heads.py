@@ -247,11 +247,20 @@ GATE_CONTEXT = ("ngram_match", "recent_acceptance")  # what the engine tells a g
 HEAD_FEATURES = ("log_p1", "log_p2", "log_p3", "log_p4", "log_p5", "confidence", "entropy", "ngram_agrees")
 
 
-def head_features(logits: torch.Tensor, ngram_token: torch.Tensor | None = None) -> torch.Tensor:
+def head_features(
+    logits: torch.Tensor, ngram_token: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """(..., vocab) head logits [and (...) the n-gram tier's proposed token, -1 for none] -> (...,
-    len(HEAD_FEATURES)) float32 features for a head gate."""
+    len(HEAD_FEATURES)) float32 features for a head gate.
+
+    With `draft_ids` (a trimmed head's token ids, the only finite logits), the features are computed on those K
+    columns alone: the same values (the -inf columns have probability 0) at K / vocab of the cost."""
+    if draft_ids is not None:
+        logits = logits.index_select(-1, draft_ids)  # (..., K)
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     top, top_ids = log_probs.topk(5, dim=-1)
+    if draft_ids is not None:
+        top_ids = draft_ids[top_ids]  # back to token ids
     top = top.clamp(min=-30.0)  # a trimmed head's -inf tail stays finite
     entropy = torch.special.entr(log_probs.exp()).sum(dim=-1, keepdim=True)
     if ngram_token is None:
@@ -330,13 +339,16 @@ def gate_probability(
     context: torch.Tensor | None = None,
     logits: torch.Tensor | None = None,
     ngram_token: torch.Tensor | None = None,
+    draft: DraftHead | None = None,
 ) -> torch.Tensor:
     """A gate's probability for `hidden`: context features go only to gates that use them, head features (from
-    `logits` and the n-gram tier's `ngram_token`) only to head gates (custom gates take the hidden state alone)."""
+    `logits`, drawn from `draft` when trimmed, and the n-gram tier's `ngram_token`) only to head gates (custom gates
+    take the hidden state alone)."""
     if uses_head(gate):
         if logits is None:
             raise ValueError("A head gate runs after the head: pass the head's logits.")
-        return gate(hidden, context if gate.uses_context else None, head_features(logits, ngram_token))
+        features = head_features(logits, ngram_token, None if draft is None else draft.token_ids)
+        return gate(hidden, context if gate.uses_context else None, features)
     if getattr(gate, "uses_context", False):
         return gate(hidden, context)
     return gate(hidden)

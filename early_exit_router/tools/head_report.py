@@ -89,7 +89,7 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
                 gates.append(decide.gate_allows(gate_probability(gate, h, part)).cpu())
                 continue
             logits = head_logits(stack, router.heads.adapter(layer), h, cache.chunk_len, draft)
-            learned = gate_probability(gate, h, part, logits, proposals[s : s + batch]).float()
+            learned = gate_probability(gate, h, part, logits, proposals[s : s + batch], draft).float()
             k = s // batch
             confs[k] = learned.cpu()
             flags[k] = decide.exit_rule(learned, ents[k].to(learned.device)).cpu()

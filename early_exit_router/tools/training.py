@@ -380,6 +380,7 @@ def exit_head_features(router: Any, cache: HiddenStateCache, layer: int, proposa
             head_features(
                 head_logits(stack, adapter, cache.exits[layer][s : s + batch], cache.chunk_len, draft),
                 proposals[s : s + batch],
+                None if draft is None else draft.token_ids,
             ).cpu()
             for s in range(0, len(cache), batch)
         ]
