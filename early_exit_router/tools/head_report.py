@@ -57,7 +57,7 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
     target = teacher_top1(router, cache, batch)
     batch = batch_size_for(cache, batch)
     draft = router.heads.draft_head(stack, config.draft_vocab_size)  # the head the engine drafts from
-    out = []
+    out, proposals = [], None  # the n-gram tier's replayed proposals depend on the text alone: computed once
     for layer in router.heads.exit_layers:
         lens, agree, flags, gates, confs, ents = [], [], [], [], [], []
         gate = router.heads.gate(layer) if config.use_gate else None
@@ -72,9 +72,10 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
             confs.append(conf.cpu())
             ents.append(ent.cpu())
         # A context or head gate sees the features replayed from the verdicts (see `training.gate_context`).
-        context, proposals = None, None
+        context = None
         if getattr(gate, "uses_context", False) or uses_head(gate):
-            proposals = ngram_proposals(cache, config.ngram_size, config.ngram_min_size)
+            if proposals is None:
+                proposals = ngram_proposals(cache, config.ngram_size, config.ngram_min_size)
             context = gate_context(
                 cache, torch.cat(agree).float(), config.ngram_min_size, AcceptanceTracker.rate, proposals
             )

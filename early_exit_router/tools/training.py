@@ -412,15 +412,19 @@ def train_gates(
         train = train.select(torch.randperm(len(train), generator=g)[:max_positions])
     config = router.config
     target, target_hold = teacher_top1(router, train), teacher_top1(router, holdout)
+    # What the n-gram tier would copy depends on the text alone: replayed once per cache, shared by every exit.
+    proposals = [ngram_proposals(c, config.ngram_size, config.ngram_min_size) for c in (train, holdout)]
     router.heads.add_gates(router._stack.hidden_size, context, head)
     quality = {}
     for layer in router.heads.exit_layers:
         gate: LearnedGate = router.heads.gate(layer).float()
         inputs = {}
-        for name, cache, teacher in (("train", train, target), ("holdout", holdout, target_hold)):
+        for name, cache, teacher, replayed in (
+            ("train", train, target, proposals[0]),
+            ("holdout", holdout, target_hold, proposals[1]),
+        ):
             top, confidence = exit_top1(router, cache, layer, with_confidence=True)
             agree = top == teacher
-            replayed = ngram_proposals(cache, config.ngram_size, config.ngram_min_size)
             features = (
                 gate_context(cache, agree.float(), config.ngram_min_size, AcceptanceTracker.rate, replayed)
                 if context
