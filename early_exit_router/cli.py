@@ -13,10 +13,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from early_exit_router.config import ADAPTER_KINDS, MODES, POLICIES, RouterConfig
+from early_exit_router.config import ADAPTER_KINDS, BATCH_DESIGNS, MODES, POLICIES, RouterConfig
 from early_exit_router.models.loading import DEFAULT_MODEL
 
-CHOICES = {"mode": MODES, "adapter": ADAPTER_KINDS, "policy": POLICIES}
+CHOICES = {"mode": MODES, "adapter": ADAPTER_KINDS, "policy": POLICIES, "batch_design": BATCH_DESIGNS}
 DEFAULT_PROMPT = "List the seven days of the week as a numbered list, one per line, nothing else."
 
 

@@ -11,7 +11,8 @@ from typing import Any
 
 MODES = ("exit", "verify")
 POLICIES = ("cost", "fixed")
-ADAPTER_KINDS = ("identity", "linear", "lowrank", "postnorm", "block")
+BATCH_DESIGNS = ("per_row", "synchronous")
+ADAPTER_KINDS = ("identity", "linear", "lowrank", "postnorm", "block", "residual_block")
 
 
 @dataclass
@@ -52,6 +53,15 @@ class RouterConfig:
             "the most expected tokens per millisecond under the measured cost model and online acceptance "
             "estimates, and decodes plainly (no head, no gate) when no tier beats plain decoding. 'fixed': every "
             "token runs the threshold cascade at every exit (exit mode always uses it)."
+        },
+    )
+    batch_design: str = field(
+        default="per_row",
+        metadata={
+            "help": "Verify-mode batches (batch > 1). 'per_row': each row drafts from the n-gram tier and keeps its "
+            "own accepted prefix (rejected drafts become masked holes in a rectangular cache); 'synchronous': the "
+            "batch drafts from the exits only when every row may and keeps the shortest accepted prefix. Exit-mode "
+            "batches are always synchronous, and verify-mode sampling always runs per row."
         },
     )
     draft_vocab_size: int = field(
@@ -246,6 +256,8 @@ class RouterConfig:
             raise ValueError(f"Unknown policy {self.policy!r}: use one of {', '.join(POLICIES)}.")
         if self.mode not in MODES:
             raise ValueError(f"Unknown mode {self.mode!r}: use one of {', '.join(MODES)}.")
+        if self.batch_design not in BATCH_DESIGNS:
+            raise ValueError(f"Unknown batch_design {self.batch_design!r}: use one of {', '.join(BATCH_DESIGNS)}.")
         for name in (
             "high_conf_threshold",
             "low_conf_threshold",

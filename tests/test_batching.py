@@ -130,8 +130,6 @@ def test_batched_sampling_in_exit_mode_and_clear_errors():
     a = router.generate(ids, 10, mode="exit", attention_mask=mask, do_sample=True, seed=7)
     b = router.generate(ids, 10, mode="exit", attention_mask=mask, do_sample=True, seed=7)
     assert torch.equal(a.sequences, b.sequences) and a.sequences.shape == (2, ids.shape[1] + 10)
-    with pytest.raises(ValueError, match="greedily"):
-        router.generate(ids, 4, mode="verify", attention_mask=mask, do_sample=True)
     right = mask.flip(1)
     with pytest.raises(ValueError, match="left padding"):
         router.generate(ids, 4, attention_mask=right)

@@ -167,3 +167,17 @@ def test_a_model_whose_generate_is_overridden_is_refused_untouched():
     with pytest.raises(ValueError, match="del model.generate"):
         EarlyExitRouter.from_model(model, exit_layers=[1, 3])
     assert "_early_exit_router" not in model.__dict__
+
+
+def test_a_padded_batch_sampling_in_verify_mode_is_routed_per_row():
+    model = tiny_llama(5)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **dict(MIXED, ngram_tier=True))
+    ids = torch.cat([prompt(5), prompt(6)])
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0
+    config = GenerationConfig(max_new_tokens=12, do_sample=True, top_k=1, pad_token_id=0, early_exit_mode="verify")
+    out = model.generate(ids, attention_mask=mask, generation_config=config)
+    assert router.last_stats is not None and router.last_stats.new_tokens == 24  # routed, both rows
+    # one token left with probability 1 (top_k=1): the per-row sampling rule gives HF's greedy output
+    greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, plain_generate(5, ids, attention_mask=mask, **greedy))

@@ -79,8 +79,8 @@ def _routed_decoding(
     mode = getattr(generation_config, "early_exit_mode", None) or router.config.mode
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-    # The batch engine decodes verify mode greedily and returns no per-step scores; HF streamers take one row.
-    batch_routable = not (mode == "verify" and generation_config.do_sample) and not (want_scores or want_logits)
+    # The batch engines return no per-step scores; HF streamers take one row.
+    batch_routable = not (want_scores or want_logits)
     if continuing or synced_gpus or (batched and (not batch_routable or streamer is not None)):
         if streamer is not None:  # generate() skipped the prompt's put: the streamer was ours to handle
             streamer.put(input_ids.cpu())

@@ -202,3 +202,12 @@ def concat_cache_rows(cache: Any, other: Any) -> None:
     for mine, new in zip(ours, theirs):
         mine.keys = torch.cat([mine.keys, new.keys], dim=0)
         mine.values = torch.cat([mine.values, new.values], dim=0)
+
+
+def gather_cache_slots(cache: Any, index: torch.Tensor) -> None:
+    """Keep, per row, the slots `index` (b, w) names, in that order, in every layer (a ragged batch's compaction)."""
+    for layer in _layers_with_states(cache):
+        for name in ("keys", "values"):
+            states = getattr(layer, name)  # (b, heads, slots, dim)
+            take = index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
+            setattr(layer, name, states.gather(2, take))

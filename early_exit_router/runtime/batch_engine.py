@@ -61,6 +61,7 @@ class BatchRow:
     done: bool = False
     stop: int | None = None  # new tokens up to and including the one that stopped it
     streamed: int = 0  # new tokens handed to the request's streamer
+    prompt: torch.Tensor | None = None  # (1, n): the prompt as its first batch padded it (what HF's processors see)
 
 
 class BatchDecode:
@@ -116,7 +117,10 @@ class BatchDecode:
         self.mask = torch.ones((b, capacity), dtype=torch.long, device=stack.device)  # generated slots are real
         self.mask[:, :n] = mask
         self.offset = (n - mask.sum(dim=1)).unsqueeze(1)  # (b, 1): left padding per row
-        self.rows = [BatchRow(r, s, n, started) for r, s in zip(requests, selectors)]
+        self.rows = [
+            BatchRow(request, selector, n, started, prompt=ids[k : k + 1])
+            for k, (request, selector) in enumerate(zip(requests, selectors))
+        ]
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (b, n): padded slots get position 0, masked out
         hidden = stack.run(stack.embed(ids, positions=positions), 0, stack.num_layers, self.cache, positions,
                            attention_mask=self.mask[:, :n])  # fmt: skip
@@ -135,7 +139,7 @@ class BatchDecode:
             return self.rows[0]
         if not self.can_join():
             raise RuntimeError("Rows join only when no drafts are waiting (see can_join).")
-        single = BatchDecode(self.stack, self.heads, self.router, self.config, self.mode, self.pad_token_id)
+        single = self._new_like()
         single.prefill(ids, torch.ones_like(ids), [request], [selector])
         behind = (self.length - 1) - (single.length - 1)  # slots the newcomer is shorter by (negative: longer)
         if behind < 0:
@@ -150,7 +154,15 @@ class BatchDecode:
         self.offset = torch.cat([self.offset, single.offset])
         _compat.concat_cache_rows(self.cache, single.cache)
         self.rows.append(single.rows[0])
+        self._adopt(single)
         return single.rows[0]
+
+    def _new_like(self) -> BatchDecode:
+        """An empty batch of the same kind and settings (a newcomer is prefilled in one before it joins)."""
+        return BatchDecode(self.stack, self.heads, self.router, self.config, self.mode, self.pad_token_id)
+
+    def _adopt(self, single: BatchDecode) -> None:
+        """Take over per-row state a joining row's own batch kept beside its tensors (none here)."""
 
     def remove(self, rows: list[BatchRow]) -> None:
         """Drop rows (finished or cancelled) from every per-row tensor, then padding every row shares."""
@@ -371,7 +383,7 @@ class BatchDecode:
             if row.done:
                 continue
             request = row.request
-            new = self.seq[r, row.start : final].tolist()[: request.max_new_tokens]
+            new = self._new_tokens(r, row, final)[: request.max_new_tokens]
             stop = next((k + 1 for k, t in enumerate(new) if t in request.eos_token_ids), None)
             if stop is None and request.stop_strings:
                 for k in range(max(1, row.streamed - 8), len(new) + 1):  # the first prefix holding a stop string
@@ -380,7 +392,7 @@ class BatchDecode:
                         stop = k
                         break
             if stop is None and request.stopping_criteria is not None:
-                ids = self.seq[r : r + 1, : row.start + len(new)]
+                ids = self._row_ids(r, row, new)
                 if bool(torch.as_tensor(request.stopping_criteria(ids, None)).any()):
                     stop = len(new)
             if stop is None and len(new) >= request.max_new_tokens:
@@ -388,6 +400,14 @@ class BatchDecode:
             if stop is not None:
                 row.done, row.stop = True, stop
             self._stream(r, row, new if stop is None else new[:stop])
+
+    def _new_tokens(self, r: int, row: BatchRow, final: int) -> list[int]:
+        """Row r's generated tokens in slots before `final` (past its stop too: callers cut there)."""
+        return self.seq[r, row.start : final].tolist()
+
+    def _row_ids(self, r: int, row: BatchRow, new: list[int]) -> torch.Tensor:
+        """(1, n) what HF's stopping criteria see for row r: its (left-padded) prompt and `new`."""
+        return self.seq[r : r + 1, : row.start + len(new)]
 
     def _stream(self, r: int, row: BatchRow, final_new: list[int]) -> None:
         if row.request.streamer is not None and len(final_new) > row.streamed:
@@ -397,7 +417,7 @@ class BatchDecode:
     def output(self, row: BatchRow) -> list[int]:
         """The row's generated tokens, up to its stop."""
         r = self.rows.index(row)
-        new = self.seq[r, row.start : self.final_length()].tolist()
+        new = self._new_tokens(r, row, self.final_length())
         return new[: row.stop] if row.stop is not None else new[: row.request.max_new_tokens]
 
     def _checked(self, logits: torch.Tensor) -> torch.Tensor:
@@ -438,8 +458,10 @@ def _plain_greedy(selector: TokenSelector) -> bool:
 class BatchEngine:
     """A whole left-padded batch in one call (`router.generate` and `model.generate` with batches)."""
 
-    def __init__(self, stack: LayerStack, heads: ExitHeads, router: Router, config: RouterConfig) -> None:
+    def __init__(self, stack: LayerStack, heads: ExitHeads, router: Router, config: RouterConfig,
+                 costs: Any = None, store: Any = None) -> None:  # fmt: skip
         self.stack, self.heads, self.router, self.config = stack, heads, router, config
+        self.costs, self.store = costs, store  # the per-row design's cost model and n-gram store
 
     @torch.no_grad()
     def generate(
@@ -453,9 +475,8 @@ class BatchEngine:
         """(b, n) left-padded ids and mask -> (b, n + new) sequences (rows padded after their stop, as HF does),
         per-row stats, the cache (of every slot but the last) and per-row depths (the layer each new token left
         at)."""
-        if request.mode == "verify" and selector.params.do_sample:
-            raise ValueError("Batched verify mode decodes greedily: use do_sample=False, mode='exit', or batch size 1.")
-        batch = BatchDecode(self.stack, self.heads, self.router, self.config, request.mode, pad_token_id)
+        batch = new_batch(self.stack, self.heads, self.router, self.config, request.mode, pad_token_id,
+                          selector, self.costs, self.store)  # fmt: skip
         b, n = input_ids.shape
         batch.prefill(input_ids, attention_mask, [request] * b, [selector] * b)
         while not batch.finished:
@@ -463,12 +484,36 @@ class BatchEngine:
         outputs = [batch.output(row) for row in batch.rows]
         sequences = padded_sequences(input_ids, outputs, pad_token_id)
         width = sequences.shape[1] - n
-        for layer_idx in range(self.stack.num_layers):  # drafts accepted past the last stop: not in the output
-            _compat.crop_cache_layer(batch.cache, layer_idx, n + width - 1)
-        _compat.trim_sliding(batch.cache)
+        cache = batch.cache
+        if type(batch) is BatchDecode:
+            for layer_idx in range(self.stack.num_layers):  # drafts accepted past the last stop: not in the output
+                _compat.crop_cache_layer(cache, layer_idx, n + width - 1)
+            _compat.trim_sliding(cache)
+        else:  # per-row slots hold holes: no cache lines up with the padded output
+            cache = None
         stats = [batch.stats(row) for row in batch.rows]
         depths = [row.depth[: len(out)] for row, out in zip(batch.rows, outputs)]
-        return sequences, stats, batch.cache, depths
+        return sequences, stats, cache, depths
+
+
+def per_row(config: RouterConfig, mode: str, selector: TokenSelector | None) -> bool:
+    """Whether a batch runs in the per-row design (`ragged_batch.py`): verify mode under `batch_design='per_row'`,
+    and verify-mode sampling always (one accepted prefix for a batch cannot keep each row's distribution)."""
+    if mode != "verify":
+        return False
+    sampling = selector is not None and selector.params.do_sample
+    return sampling or config.batch_design == "per_row"
+
+
+def new_batch(stack: LayerStack, heads: ExitHeads, router: Router, config: RouterConfig, mode: str,
+              pad_token_id: int, selector: TokenSelector | None = None, costs: Any = None,
+              store: Any = None) -> BatchDecode:  # fmt: skip
+    """An empty batch of the design `config`, `mode` and the rows' sampling call for (see `per_row`)."""
+    if per_row(config, mode, selector):
+        from early_exit_router.runtime.ragged_batch import RaggedVerifyDecode
+
+        return RaggedVerifyDecode(stack, heads, router, config, mode, pad_token_id, costs, store)
+    return BatchDecode(stack, heads, router, config, mode, pad_token_id)
 
 
 def padded_sequences(input_ids: torch.Tensor, outputs: list[Any], pad_token_id: int) -> torch.Tensor:

@@ -85,6 +85,12 @@ class CostModel:
         """The full LM head over m rows (padded, as the engine runs it)."""
         return self._at(self.head_ms, self.head_pad(m))
 
+    def batch_pass(self, rows: int, width: int) -> float:
+        """Every layer and the full head over `rows` rows of `width` positions each, costed as rows x width positions
+        in one chunk (unpadded): compute-bound once batching fills the device, as it does on a CPU."""
+        m = rows * width
+        return self.num_layers * self._at(self.layer_ms, m) + self._at(self.head_ms, m)
+
     def plain_step(self) -> float:
         """One token of plain decoding: every layer for one position, one head row."""
         return self.layers(self.num_layers, 1) + self.head(1)

@@ -550,7 +550,7 @@ class Engine:
         if i in state.blocks:
             out = state.blocks[i].run(self.stack, adapter)  # the current position is always the last queued
             assert out is not None
-            last, adapter = out[:, -1], None
+            last, adapter = out[:, -1], getattr(adapter, "post", None)  # the block ran: only its post-norm map is left
         return draft_logits(self.stack, adapter, self.draft, last)
 
     # --------------------------------------------------------------------------------------------- deep passes

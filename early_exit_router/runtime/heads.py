@@ -99,10 +99,15 @@ class BlockAdapter(nn.Module):
     post_norm = False
     needs_context = True
 
-    def __init__(self, block: nn.Module, mask_kind: str) -> None:
+    def __init__(self, block: nn.Module, mask_kind: str, residual: bool = False) -> None:
         super().__init__()
         self.block = block
         self.mask_kind = mask_kind
+        # `residual_block`: the block's update enters scaled per channel (zero at the start), and a post-norm map
+        # follows the final norm, so the adapter starts as exactly a `postnorm` head (which it can be warm-started
+        # from) and training only adds what the block's attention and MLP contribute.
+        self.mix = nn.Parameter(torch.zeros(block_width(block))) if residual else None
+        self.post = PostNormAdapter(block_width(block)) if residual else None
         for module in block.modules():  # the block's keys and values go to layer 0 of its own cache
             if hasattr(module, "layer_idx"):
                 module.layer_idx = 0
@@ -115,15 +120,25 @@ class BlockAdapter(nn.Module):
         if positions is None:
             first = 0 if cache is None else cache.get_seq_length(0)
             positions = torch.arange(first, first + hidden.shape[1], device=hidden.device).unsqueeze(0)
-        return stack.run_module(self.block, self.mask_kind, hidden, cache, positions)
+        out = stack.run_module(self.block, self.mask_kind, hidden, cache, positions)
+        return out if self.mix is None else hidden + self.mix * (out - hidden)
 
 
-def block_source(stack: Any) -> Callable[[int], BlockAdapter]:
+def block_width(block: nn.Module) -> int:
+    """The hidden size a decoder block reads and writes: the width of its first norm's weight."""
+    for module in block.modules():
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.dim() == 1:
+            return int(weight.shape[0])
+    raise ValueError(f"Cannot tell the hidden size of {type(block).__name__}: no norm weight found.")
+
+
+def block_source(stack: Any) -> Callable[..., BlockAdapter]:
     """Makes the block adapter of exit `e`: a copy of layer e + 1 (the last layer for an exit at the last one)."""
 
-    def make(exit_layer: int) -> BlockAdapter:
+    def make(exit_layer: int, residual: bool = False) -> BlockAdapter:
         idx = min(exit_layer + 1, stack.num_layers - 1)
-        return BlockAdapter(copy.deepcopy(stack.layers[idx]), stack.mask_kinds[idx])
+        return BlockAdapter(copy.deepcopy(stack.layers[idx]), stack.mask_kinds[idx], residual)
 
     return make
 
@@ -191,8 +206,14 @@ def exit_normed(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> 
     if getattr(adapter, "post_norm", False):
         return adapter(stack.final_norm(hidden))
     if needs_context(adapter):
-        return stack.final_norm(adapter(hidden, stack))
+        return after_block(adapter, stack.final_norm(adapter(hidden, stack)))
     return stack.final_norm(adapter(hidden))
+
+
+def after_block(adapter: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+    """A block adapter's post-norm map (a `residual_block`'s), applied to the final norm of the block's output."""
+    post = getattr(adapter, "post", None)
+    return normed if post is None else post(normed)
 
 
 def exit_logits(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
@@ -354,12 +375,13 @@ def gate_probability(
     return gate(hidden)
 
 
-def make_adapter(kind: str, hidden_size: int, rank: int, block: Callable[[], BlockAdapter] | None = None) -> nn.Module:
-    """A fresh adapter of `kind`; "block" needs `block`, which builds it from the base model's layers."""
-    if kind == "block":
+def make_adapter(kind: str, hidden_size: int, rank: int, block: Callable[..., BlockAdapter] | None = None) -> nn.Module:
+    """A fresh adapter of `kind`; "block" and "residual_block" need `block`, which builds them from the base
+    model's layers."""
+    if kind in ("block", "residual_block"):
         if block is None:
-            raise ValueError("A 'block' adapter is built from the base model's layers: pass block_source(stack).")
-        return block()
+            raise ValueError(f"A {kind!r} adapter is built from the base model's layers: pass block_source(stack).")
+        return block(residual=kind == "residual_block")
     if kind == "identity":
         return IdentityAdapter()
     if kind == "linear":
@@ -380,16 +402,15 @@ class ExitHeads(nn.Module):
         hidden_size: int,
         adapter: str,
         rank: int,
-        blocks: Callable[[int], BlockAdapter] | None = None,
+        blocks: Callable[..., BlockAdapter] | None = None,
     ) -> None:
         super().__init__()
         self.exit_layers = list(exit_layers)
-        self.adapters = nn.ModuleDict(
-            {
-                str(e): make_adapter(adapter, hidden_size, rank, None if blocks is None else lambda e=e: blocks(e))
-                for e in exit_layers
-            }
-        )
+
+        def block(e: int) -> Callable[..., BlockAdapter] | None:
+            return None if blocks is None else lambda **kw: blocks(e, **kw)
+
+        self.adapters = nn.ModuleDict({str(e): make_adapter(adapter, hidden_size, rank, block(e)) for e in exit_layers})
         self.gates = nn.ModuleDict()
 
     def adapter(self, layer: int) -> nn.Module:

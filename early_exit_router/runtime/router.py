@@ -432,7 +432,9 @@ class EarlyExitRouter:
         pad = self.pad_token_id(request.eos_token_ids) if pad_token_id is None else pad_token_id
         if not self.batch_synchronous(config):
             return self._run_rows_alone(input_ids, attention_mask, request, selector, config, pad)
-        engine = BatchEngine(self._stack, self.heads, Router(config, self._stack.vocab_size), config)
+        costs = self.costs(config=config) if config.policy == "cost" else None
+        engine = BatchEngine(self._stack, self.heads, Router(config, self._stack.vocab_size), config, costs,
+                             self.ngram_store())  # fmt: skip
         with self.lock:
             sequences, rows, cache, depths = engine.generate(
                 input_ids,

@@ -1,8 +1,9 @@
 """`early-exit-router bench-batch`: batched generation against HF batched `generate`, side by side in one run.
 
 For each batch size, the first B prompts (repeated when there are fewer) are left-padded into one batch and
-generated greedily by each arm in turn: plain HF batched `generate` (the control), the router in verify mode (the
-batch-synchronous engine, lossless: checked row by row against the control) and the router in exit mode. Every
+generated greedily by each arm in turn: plain HF batched `generate` (the control), the router in verify mode in both
+batch designs (per row: n-gram drafts, each row keeping its own accepted prefix; batch-synchronous: exits every row
+may take), both lossless and checked row by row against the control, and the router in exit mode. Every
 row of a batch finishes when the batch call returns, so per-request latency is the call's wall time.
 Throughput is new tokens (up to each row's stop) per second of wall time. The arms rotate their order per repeat.
 """
@@ -17,7 +18,13 @@ from typing import Any
 
 import torch
 
-ARMS = ("plain HF generate (batched)", "router verify (batch-synchronous)", "router exit (batch-synchronous)")
+# The control, then the router's arms: (mode, batch design) each.
+ROUTER_ARMS = {
+    "router verify (per-row)": ("verify", "per_row"),
+    "router verify (batch-synchronous)": ("verify", "synchronous"),
+    "router exit (batch-synchronous)": ("exit", "synchronous"),
+}
+ARMS = ("plain HF generate (batched)", *ROUTER_ARMS)
 
 
 @dataclass
@@ -146,8 +153,10 @@ def _run(router: Any, ids, mask, n: int, pad_id: int, order: Sequence[str]) -> d
                                            pad_token_id=pad_id)  # fmt: skip
             stats = None
         else:
-            mode = "verify" if arm == ARMS[1] else "exit"
-            out = router.generate(ids, n, mode=mode, attention_mask=mask)
+            mode, design = ROUTER_ARMS[arm]
+            router.clear_ngram_store()  # no arm copies from an earlier arm's (or repeat's) outputs
+            start = time.perf_counter()
+            out = router.generate(ids, n, mode=mode, attention_mask=mask, config={"batch_design": design})
             sequences, stats = out.sequences, out.stats
         outcomes[arm] = (time.perf_counter() - start, sequences, stats)
     return outcomes

@@ -27,7 +27,7 @@ import torch
 
 from early_exit_router.config import RouterConfig
 from early_exit_router.models import _compat
-from early_exit_router.runtime.batch_engine import BatchDecode, BatchRow
+from early_exit_router.runtime.batch_engine import BatchDecode, BatchRow, new_batch, per_row
 from early_exit_router.runtime.engine import DecodeRequest, Decoding, Engine
 from early_exit_router.runtime.routing import Router
 from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
@@ -282,17 +282,19 @@ class Scheduler:
                 self.emit(job, ("error", stopping))
 
     def _batchable(self, job: Job) -> bool:
-        """Whether the job may share a batch: the server's routing, and greedy unless in exit mode."""
+        """Whether the job may share a batch: the server's routing; sampling in exit mode, or in a per-row verify
+        batch (each row keeps its own distribution there)."""
         if not (self.batching and job.config == self.base_config and self.router.batch_synchronous(job.config)):
             return False
-        return job.mode == "exit" or not job.params.do_sample
+        return job.mode == "exit" or not job.params.do_sample or per_row(job.config, job.mode, None)
 
     def _group(self, job: Job) -> _Group:
         group = self._groups.get(job.mode)
         if group is None:
-            cfg = self.base_config
-            batch = BatchDecode(self.router._stack, self.router.heads, Router(cfg, self.router._stack.vocab_size),
-                                cfg, job.mode, self.router.pad_token_id(self._eos))  # fmt: skip
+            cfg, router = self.base_config, self.router
+            costs = router.costs(config=cfg) if cfg.policy == "cost" else None
+            batch = new_batch(router._stack, router.heads, Router(cfg, router._stack.vocab_size), cfg, job.mode,
+                              router.pad_token_id(self._eos), None, costs, router.ngram_store())  # fmt: skip
             group = self._groups[job.mode] = _Group(batch)
         return group
 
@@ -334,8 +336,7 @@ class Scheduler:
                 self.emit(job, ("error", error))
             group.members.clear()
             group.joining.clear()
-            group.batch = BatchDecode(batch.stack, batch.heads, batch.router, batch.config, batch.mode,
-                                      batch.pad_token_id)  # fmt: skip
+            group.batch = batch._new_like()
 
     def _decode_request(self, job: Job, batched: bool) -> tuple[TextTracker, DecodeRequest]:
         """The engine's request for a job, streaming through a text tracker to the job's queue."""

@@ -1,0 +1,206 @@
+"""Batched verify mode, per row (`ragged_batch.py`): each row drafts from the n-gram tier and keeps its own accepted
+prefix; rejected drafts become masked holes in a rectangular cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from early_exit_router import EarlyExitRouter
+from early_exit_router.runtime import ragged_batch
+from early_exit_router.runtime.engine import NGRAM_LAYER, DecodeRequest
+from early_exit_router.runtime.ragged_batch import RaggedVerifyDecode
+from early_exit_router.runtime.routing import Router
+from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+
+from .conftest import CASCADE, VOCAB, tiny_costs, tiny_llama
+from .test_batching import PAD, hf_batched_greedy, row_alone
+
+PER_ROW = dict(CASCADE, ngram_tier=True, batch_design="per_row", ngram_store_tokens=0)
+
+
+def repetitive(lengths: list[int], seed: int = 0, period: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts that repeat a short random pattern, so the n-gram tier proposes (and is often wrong)."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for r, n in enumerate(lengths):
+        pattern = torch.randint(2, VOCAB, (period + r % 2,), generator=generator)
+        ids[r, width - n :] = pattern.repeat(n // len(pattern) + 1)[:n]
+        mask[r, width - n :] = 1
+    return ids, mask
+
+
+def counting_compactions(monkeypatch, always: bool = False) -> list[int]:
+    """Counts compactions; `always` compacts after every pass that left a hole."""
+    if always:
+        monkeypatch.setattr(ragged_batch, "COMPACT_MIN", 1)
+        monkeypatch.setattr(ragged_batch, "COMPACT_WASTE", 0.0)
+    count: list[int] = []
+    real = RaggedVerifyDecode._maybe_compact
+
+    def wrapped(self):
+        before = self.compactions
+        real(self)
+        count.extend([1] * (self.compactions - before))
+
+    monkeypatch.setattr(RaggedVerifyDecode, "_maybe_compact", wrapped)
+    return count
+
+
+@pytest.mark.parametrize("policy", ["fixed", "flat", "steep"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_per_row_verify_equals_hf_batched_greedy_for_every_row(seed, policy, monkeypatch):
+    model = tiny_llama(seed)
+    ids, mask = repetitive([12, 20, 7, 16], seed)
+    reference = hf_batched_greedy(model, ids, mask, 30)
+    config = dict(PER_ROW, policy="fixed" if policy == "fixed" else "cost")
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    if policy != "fixed":
+        router.cost_model = tiny_costs()[policy]
+    compactions = counting_compactions(monkeypatch)
+    out = router.generate(ids, 30, mode="verify", attention_mask=mask)
+    assert torch.equal(out.sequences, reference)
+    drafted = sum(s.exited_checked for s in out.row_stats)
+    if policy != "steep":  # drafts were made, some rejected (holes), some accepted (tokens gained)
+        assert out.stats.rejected_drafts > 0 and out.stats.agreement > 0 and drafted > 0
+        assert out.stats.deep_passes < 30
+        assert all(NGRAM_LAYER in depths for depths in out.depths)
+    else:  # every extra position costs nearly a full one: the policy decodes plainly
+        assert drafted == 0 and out.stats.deep_passes == 29
+    if policy == "fixed":
+        assert compactions  # 30 tokens with many rejected drafts: holes outgrew the threshold
+    assert out.cache is None  # the per-row slots hold holes: no cache lines up with the padded output
+
+
+def test_rows_that_stop_early_and_repetition_penalty_equal_hf(monkeypatch):
+    model = tiny_llama(0)
+    ids, mask = repetitive([9, 14, 6], 2)
+    probe = hf_batched_greedy(model, ids, mask, 16)
+    eos = int(probe[2, ids.shape[1] + 4])
+    model.generation_config.pad_token_id = PAD
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **PER_ROW)
+    counting_compactions(monkeypatch, always=True)
+    out = router.generate(ids, 16, mode="verify", attention_mask=mask, eos_token_id=eos)
+    assert torch.equal(out.sequences, hf_batched_greedy(model, ids, mask, 16, eos=eos))
+    assert out.row_stats[2].new_tokens < 16
+    with torch.no_grad():  # processors see each row's padded prompt and its tokens, as in HF's batch
+        reference = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=PAD,
+                                   repetition_penalty=1.5)  # fmt: skip
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])
+    out = router.generate(ids, 16, mode="verify", attention_mask=mask, logits_processor=penalty)
+    assert torch.equal(out.sequences, reference)
+
+
+def test_the_cache_holds_each_rows_full_forward_after_holes_and_compaction(monkeypatch):
+    """Every real slot of every row holds the keys and values of that row's own full forward pass over its real
+    tokens (holes excepted), also after compactions gathered the rows' slots."""
+    compactions = counting_compactions(monkeypatch, always=True)
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **PER_ROW)
+    cfg = router.config
+    ids, mask = repetitive([12, 20, 7], 0)
+    batch = RaggedVerifyDecode(router._stack, router.heads, Router(cfg, VOCAB), cfg, "verify", PAD)
+    requests = [DecodeRequest(mode="verify", max_new_tokens=24)] * 3
+    selector = TokenSelector(SamplingParams(), ids.device)
+    batch.prefill(ids, mask, requests, [selector] * 3)
+    while not batch.finished:
+        batch.step()
+    assert compactions and sum(row.rejected for row in batch.rows) > 0
+    cached = batch.length - 1
+    for r in range(3):
+        real = batch.mask[r, :cached].bool()
+        tokens = batch.seq[r, :cached][real][None]
+        with torch.no_grad():
+            full = model(tokens, use_cache=True).past_key_values
+        for layer in range(model.config.num_hidden_layers):
+            mine = batch.cache.layers[layer]
+            torch.testing.assert_close(mine.keys[r][:, real], full.layers[layer].keys[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(mine.values[r][:, real], full.layers[layer].values[0], atol=1e-5, rtol=0)
+
+
+def test_rows_joining_and_leaving_equal_each_row_alone():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **PER_ROW)
+    cfg = router.config
+    batch = RaggedVerifyDecode(router._stack, router.heads, Router(cfg, VOCAB), cfg, "verify", PAD)
+    prompts = [repetitive([n], seed)[0] for n, seed in [(9, 1), (4, 2), (17, 3)]]
+    budgets = [14, 10, 8]
+    rows, outputs = {}, {}
+
+    def join(k: int) -> None:
+        assert batch.can_join()  # no drafts ever wait in a per-row batch
+        request = DecodeRequest(mode="verify", max_new_tokens=budgets[k])
+        rows[k] = batch.join(prompts[k], request, TokenSelector(SamplingParams(), prompts[k].device))
+
+    def retire() -> None:
+        finished = [row for row in batch.rows if row.done]
+        for k, row in rows.items():
+            if row in finished:
+                outputs[k] = batch.output(row)
+        batch.remove(finished)
+
+    join(0)
+    batch.step()
+    join(1)
+    batch.step()
+    join(2)
+    while batch.rows:
+        batch.step()
+        retire()
+    for k, ids in enumerate(prompts):
+        expected = hf_batched_greedy(model, ids, torch.ones_like(ids), budgets[k])[0, ids.shape[1] :].tolist()
+        assert outputs[k] == expected, k
+
+
+def test_batched_sampling_in_verify_mode_runs_per_row():
+    model = tiny_llama(0)
+    ids, mask = repetitive([8, 12], 4)
+    synchronous = dict(PER_ROW, batch_design="synchronous")
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **synchronous)
+    # the synchronous design is configured, but verify-mode sampling always runs per row
+    a = router.generate(ids, 12, mode="verify", attention_mask=mask, do_sample=True, seed=3, temperature=0.7)
+    b = router.generate(ids, 12, mode="verify", attention_mask=mask, do_sample=True, seed=3, temperature=0.7)
+    assert torch.equal(a.sequences, b.sequences) and a.sequences.shape == (2, ids.shape[1] + 12)
+    # top_k=1 leaves one token with probability 1: the sampling rule must then give greedy output exactly
+    point = router.generate(ids, 24, mode="verify", attention_mask=mask, do_sample=True, top_k=1, seed=0)
+    assert torch.equal(point.sequences, hf_batched_greedy(model, ids, mask, 24))
+    assert sum(s.exited_checked for s in point.row_stats) > 0  # n-gram drafts were judged by the sampling rule
+    assert point.stats.rejected_drafts > 0
+
+
+def test_the_per_row_sampling_rule_keeps_the_full_models_distribution():
+    """A draft x is accepted with probability p(x), else the token is drawn from p without x: the first emitted
+    token follows p exactly, and the one after an accepted draft follows the next position's p."""
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **PER_ROW)
+    cfg = router.config
+    batch = RaggedVerifyDecode(router._stack, router.heads, Router(cfg, VOCAB), cfg, "verify", PAD)
+    ids = row_alone(*repetitive([6], 5), 0)
+    selector = TokenSelector(SamplingParams(do_sample=True, seed=0), ids.device)
+    batch.prefill(ids, torch.ones_like(ids), [DecodeRequest(mode="verify", max_new_tokens=8)], [selector])
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)) * 3.0  # peaked laws: low noise
+    p = torch.softmax(logits.double(), dim=-1)
+    draft = [int(p[0].argmax()), int(p[1].argsort()[-2])]  # a likely but not certain first draft
+    runs = 6000
+    first = torch.zeros(VOCAB, dtype=torch.float64)
+    second = torch.zeros(VOCAB, dtype=torch.float64)
+    for _ in range(runs):
+        accepted, token = batch._verify(0, batch.rows[0], draft, logits, [])
+        first[draft[0] if accepted >= 1 else token] += 1
+        if accepted >= 1:
+            second[draft[1] if accepted >= 2 else token] += 1
+    assert 0.5 * float((first / runs - p[0]).abs().sum()) < 0.05
+    assert 0.5 * float((second / second.sum() - p[1]).abs().sum()) < 0.06
+    assert second.sum() > 0.1 * runs  # the draft was accepted often enough for the second law to be measured
+
+
+def test_a_bad_batch_design_is_refused():
+    with pytest.raises(ValueError, match="batch_design"):
+        EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], batch_design="ragged")
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **PER_ROW)
+    with pytest.raises(ValueError, match="verify mode"):
+        RaggedVerifyDecode(router._stack, router.heads, Router(router.config, VOCAB), router.config, "exit", PAD)
