@@ -124,3 +124,25 @@ def test_survey_fits_every_layer_and_leaves_the_router_heads_alone(adapter):
         assert r.draft_ms > 0 and 0 < r.break_even <= 1 and r.speedup > 0
     assert [r.draft_ms for r in rows] == sorted(r.draft_ms for r in rows)  # deeper drafts cost more
     assert all(torch.equal(v, router.heads.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_head_signal_reads_the_draft_columns_alone_and_skips_the_softmax_where_entropy_cannot_decide():
+    from early_exit_router.config import RouterConfig
+    from early_exit_router.runtime.routing import Router
+
+    columns = torch.tensor([3, 7, 11, 40])
+    full = torch.full((2, VOCAB), float("-inf"))
+    full[:, columns] = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.1, 0.2, 0.0, 0.3]])
+    cascade = Router(RouterConfig(high_conf_threshold=0.6, low_conf_threshold=0.2, entropy_threshold=0.3), VOCAB)
+    assert cascade.entropy_decides
+    flags, confidence = cascade.head_signal(full)
+    trimmed_flags, trimmed_confidence = cascade.head_signal(full, columns=columns)
+    assert torch.equal(flags, trimmed_flags)
+    torch.testing.assert_close(confidence, trimmed_confidence)
+    learned = torch.tensor([0.7, 0.5])
+    calibrated = Router(RouterConfig(high_conf_threshold=0.6, low_conf_threshold=0.6), VOCAB)
+    assert not calibrated.entropy_decides
+    nan = torch.full((2, VOCAB), float("nan"))  # never read: the learned confidence decides alone
+    flags, confidence = calibrated.head_signal(nan, 0.0, learned)
+    assert flags.tolist() == [True, False] and torch.equal(confidence, learned)
+    assert calibrated.head_signal(nan, -0.15, learned)[0].tolist() == [True, True]  # thresholds shift together

@@ -386,6 +386,25 @@ def test_ngram_tier_proposes_on_repetitive_text_and_fills_the_cache_in_exit_mode
     assert verified.stats.exit_histogram.get(-1, 0) > 0  # accepted copies count for the tier
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_in_exit_mode_no_token_exits_while_the_ngram_tier_has_a_proposal(seed):
+    """The tier's verified drafts need a deep pass with nothing else waiting: while exited tokens wait, a match
+    sends the token deep instead of letting it exit, so that the tier drafts next (exits do not crowd it out)."""
+    from early_exit_router.runtime.ngram import ngram_match
+
+    model = tiny_llama(seed)
+    config = {**ALWAYS_EXIT, "ngram_tier": True, "ngram_store_tokens": 0, "max_pending": 8}
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    ids = repetitive_prompt(3)
+    out = router.generate(ids, max_new_tokens=40, mode="exit")
+    tokens, cfg, n = out.sequences[0].tolist(), router.config, ids.shape[1]
+    exited = [k for k, depth in enumerate(out.depths) if depth in (1, 3)]
+    assert exited and out.stats.exit_histogram.get(-1, 0) > 0  # both tiers took part
+    for k in exited:  # token k was chosen when feeding token k - 1: that context had no proposal
+        assert not ngram_match(tokens[: n + k], cfg.ngram_size, 40 - k, cfg.ngram_min_size)[0], k
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
 class ConstantHidden(torch.nn.Module):
     """An adapter whose output ignores its input: the head then always proposes the same token."""
 
@@ -440,7 +459,7 @@ def test_threshold_controller_steers_toward_the_target_agreement():
     model = tiny_llama(1)
     ids = prompt(1)
     loose = dict(exit_layers=[1, 3], high_conf_threshold=0.05, low_conf_threshold=0.05, entropy_threshold=0.0)
-    router = EarlyExitRouter.from_model(model, **loose)
+    router = EarlyExitRouter.from_model(model, **loose, ngram_tier=False)  # the hit rate then counts exits alone
     free = router.generate(ids, max_new_tokens=60).stats
     assert free.threshold_shift == 0.0 and free.agreement < 0.9  # the loose threshold exits wrongly often
 

@@ -204,3 +204,18 @@ def test_a_bad_batch_design_is_refused():
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **PER_ROW)
     with pytest.raises(ValueError, match="verify mode"):
         RaggedVerifyDecode(router._stack, router.heads, Router(router.config, VOCAB), router.config, "exit", PAD)
+
+
+def test_sliding_window_models_fall_back_where_holes_would_shift_the_window():
+    """A sliding window keeps the last slots, holes included: such batches run synchronously (greedy) or row by row
+    (sampling), and stay exact."""
+    from .test_architectures import build
+
+    model = build("mistral-sliding")
+    ids, mask = repetitive([12, 16], 1)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **PER_ROW)
+    out = router.generate(ids, 20, mode="verify", attention_mask=mask)
+    assert torch.equal(out.sequences, hf_batched_greedy(model, ids, mask, 20))
+    assert out.cache is not None  # the synchronous engine ran (its cache lines up with the output)
+    point = router.generate(ids, 20, mode="verify", attention_mask=mask, do_sample=True, top_k=1, seed=0)
+    assert torch.equal(point.sequences, hf_batched_greedy(model, ids, mask, 20))

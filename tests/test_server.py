@@ -213,11 +213,16 @@ def test_overload_answers_503_with_retry_after(smol):
         assert response.usage.completion_tokens == 3  # and it serves again once the queue drains
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["batched greedy", "sampled alone"])
-def test_a_disconnect_cancels_the_request(smol, temperature):
+ALONE = {"early_exit": {"mode": "exit", "high_conf_threshold": 1.0}}  # routing options of its own: run alone
+
+
+@pytest.mark.parametrize(
+    "temperature, extra", [(0.0, {}), (1.0, {}), (1.0, ALONE)], ids=["batched greedy", "batched sampling", "alone"]
+)
+def test_a_disconnect_cancels_the_request(smol, temperature, extra):
     with running_server(smol) as (url, app):
         scheduler = app.state.scheduler
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True, **extra}
         request = urllib.request.Request(
             url + "/v1/completions",
             data=json.dumps({**body, "temperature": temperature}).encode(),
@@ -231,6 +236,28 @@ def test_a_disconnect_cancels_the_request(smol, temperature):
             assert time.time() < deadline, "the request kept running after the client left"
             time.sleep(0.1)
         assert scheduler.stats.requests_finished == 0  # stopped long before its 400 tokens
+
+
+def test_sampled_verify_requests_share_a_per_row_batch(smol):
+    """Verify-mode sampling runs per row (each row keeps the full model's distribution), so sampled requests join
+    the running batch like greedy ones."""
+    with running_server(smol) as (url, app):
+        texts: list[str] = []
+
+        def one(i: int) -> None:
+            messages = [{"role": "user", "content": f"Tell me about the number {i}."}]
+            response = client(url).chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=12, temperature=0.8
+            )
+            texts.append(response.choices[0].message.content)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(texts) == 3 and all(texts)
+        assert app.state.scheduler.stats.requests_batched == 3
 
 
 def test_stop_strings_end_batched_and_single_requests_alike(server, smol):

@@ -184,6 +184,36 @@ def test_context_gates_see_the_ngram_match_of_the_current_context(monkeypatch):
     assert calls and any(calls) and not all(calls)
 
 
+def test_a_rollback_forgets_the_gates_ngram_memo():
+    """A rolled-back context can regrow to the same length with another tail: the gate must then see the new
+    context's n-gram match, not the one memoised before the rollback."""
+    from early_exit_router.runtime.engine import DecodeRequest
+    from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+
+    router, train, holdout, cfg = trained_router()
+    train_gates(router, train, holdout, cfg, context=True)
+    engine = router.engine(router.config.replace(mode="verify", policy="fixed"))
+    tokens = [5, 6, 7, 8, 5, 6, 7]
+    request = DecodeRequest(mode="verify", max_new_tokens=4)
+    decoding = engine.start(torch.tensor([tokens]), request, TokenSelector(SamplingParams(), torch.device("cpu")))
+    state, gate, last = decoding.state, router.heads.gate(router.config.exit_layers[0]), torch.zeros(1, 32)
+    state.tokens[-1] = 8  # the context now ends in a repeated bigram (7, 8): the tier proposes 5
+    seen = []
+    original = type(gate).forward
+
+    def recording(self, hidden, context=None, *rest):
+        seen.append(None if context is None else float(context[0, 0]))
+        return original(self, hidden, context, *rest)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(gate), "forward", recording)
+        engine._gate(state, 0, gate, last)  # memoises "a match" for this length
+        engine._rollback(state, len(state.tokens) - 2)
+        state.tokens.extend([40, 41])  # the same length again, now without any repeated suffix
+        engine._gate(state, 0, gate, last)
+    assert seen == [1.0, 0.0]
+
+
 def test_ngram_proposals_replay_the_tiers_match_on_every_prefix():
     from early_exit_router.runtime.ngram import ngram_match
     from early_exit_router.tools.training import HiddenStateCache, ngram_proposals

@@ -1,4 +1,5 @@
 """Batched decoding, batch-synchronous: several sequences share one decode loop and one rectangular cache.
+(Verify mode's other design, per row, is `ragged_batch.py`: it subclasses `BatchDecode`.)
 
 Every step feeds each row's last token. At an exit, the rows leave together or not at all: the step exits only
 when every unfinished row may exit (its gate allows it and its head passes the confidence -> entropy cascade),
@@ -18,7 +19,8 @@ from every per-row tensor, and slots that are padding in every row are dropped f
 
 Left-padded slots are masked out with a 2D attention mask, and each row's positions count its real tokens only
 (HF's `cumsum(mask) - 1`). Batches route with the confidence cascade (the router's thresholds and window rule); the
-n-gram tier is a batch-1 feature. Under the cost policy a batch does no harm where its exits do not fire: an exit
+n-gram tier drafts in the per-row design (`ragged_batch.py`, verify mode), which `new_batch` picks by the config.
+Under the cost policy a batch does no harm where its exits do not fire: an exit
 that let the batch leave in fewer than `MIN_EXIT_RATE` of its recent consultations is consulted only every
 `probe_interval` steps (no gate, no head in between), so it is noticed again when the text turns predictable.
 """
@@ -279,7 +281,8 @@ class BatchDecode:
                 return False
         logits = draft_logits(self.stack, self.heads.adapter(layer), self.draft, last)  # (b, vocab)
         learned = gate_probability(gate, last, None, logits, None, self.draft) if uses_head(gate) else None
-        flags, confidence = self.router.head_signal(logits, learned=learned)  # (b,), (b,)
+        columns = None if self.draft is None else self.draft.token_ids
+        flags, confidence = self.router.head_signal(logits, learned=learned, columns=columns)  # (b,), (b,)
         if not bool((flags | ~active).all()):
             return False
         self.router.record_exit(self.routing, float(confidence[active].min()) if bool(active.any()) else 1.0)

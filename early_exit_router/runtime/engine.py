@@ -148,6 +148,7 @@ class Engine:
         # exits whose adapter is a block with its own KV cache: every position's state there is kept for it
         self.block_exits = {i for i, e in enumerate(self.exits) if needs_context(heads.adapter(e))}
         self.draft = heads.draft_head(stack, config.draft_vocab_size)
+        self.draft_ids = None if self.draft is None else self.draft.token_ids  # the draft logits' finite columns
         self.store = store if config.ngram_tier else None
         self.costs = costs  # when set, chunks and head rows are padded to the cheapest measured length
         self.policy: DraftPolicy | None = None
@@ -266,19 +267,21 @@ class Engine:
         if not forced and self.config.ngram_tier and self._propose_ngram(state, request):
             return
         if forced:
-            router.end_block(state.routing)
             state.forced += 1
-        target = None if forced else router.block_target(state.routing)
+        deep = forced or self._ngram_waits(state, request)
+        if deep:
+            router.end_block(state.routing)
+        target = None if deep else router.block_target(state.routing)
 
         hidden: torch.Tensor | None = stack.embed(state.seq[:, q : q + 1], q)  # (1, 1, hidden)
         chunk_start = q
         for i in range(len(self.exits) + 1):
             hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, q + 1)
-            if i < len(self.exits) and not forced and target in (None, i):
+            if i < len(self.exits) and not deep and target in (None, i):
                 if self._try_exit(state, i, self.exits[i], hidden, q, target, request, selector):
                     return
 
-        if target is None and not forced:
+        if target is None and not deep:
             router.start_block(state.routing, FULL_DEPTH)
         self._finish_deep(state, hidden, chunk_start, True, request, selector)
 
@@ -400,7 +403,7 @@ class Engine:
             logits = self._draft_logits(state, i, last)  # (1, vocab)
             gate = self.heads.gate(layer) if self.config.use_gate else None
             learned = self._gate(state, i, gate, last, logits) if uses_head(gate) else None
-            flag, _ = self.router.head_signal(logits[0], state.routing.threshold_shift, learned)
+            flag, _ = self.router.head_signal(logits[0], state.routing.threshold_shift, learned, self.draft_ids)
             if gate is not None and learned is None:
                 flag = flag & self.router.gate_allows(self._gate(state, i, gate, last))[0]
             probed.append(i)
@@ -440,6 +443,18 @@ class Engine:
         state.verifying = verified
         self._append_ngram(state, request, proposal, ("ngram", match_len))
         return True
+
+    def _ngram_waits(self, state: SequenceState, request: DecodeRequest) -> bool:
+        """Exit mode: whether the n-gram tier has a proposal it could not draft because exited tokens wait.
+
+        Its verified drafts go into a deep pass with nothing else waiting, so while exited tokens wait it stays
+        silent. A match then sends this token deep (the fill pass the waiting tokens need anyway), and the tier
+        drafts from the next step on: without this, more exits crowd out the tier that carries the speed."""
+        cfg = self.config
+        if request.mode != "exit" or cfg.ngram_unverified or not cfg.ngram_tier or not state.pending:
+            return False
+        budget = min(cfg.ngram_draft, request.max_new_tokens - state.new_tokens)  # the room after the fill
+        return bool(self._ngram_proposal(state, budget)[0])
 
     def _append_ngram(self, state: SequenceState, request: DecodeRequest, proposal: list[int], key: TierKey) -> int:
         """Emit `proposal` as n-gram drafts; their positions wait in front of segment 0 (`buffers[0]`, as
@@ -497,7 +512,8 @@ class Engine:
         if target is None:
             t0 = time.perf_counter()
             learned = self._gate(state, i, gate, last, logits) if uses_head(gate) else None
-            exit_flag, confidence = router.head_signal(logits[0], state.routing.threshold_shift, learned)
+            shift = state.routing.threshold_shift
+            exit_flag, confidence = router.head_signal(logits[0], shift, learned, self.draft_ids)
             signals = [exit_flag.double(), confidence.double()]
             flag, conf, *chosen = torch.stack(
                 signals + ([] if token is None else [token.reshape(()).double()])

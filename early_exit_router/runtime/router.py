@@ -21,7 +21,7 @@ from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.models.discovery import stack_for
 from early_exit_router.models.loading import load_base_model, resolve_alias, shipped_checkpoint
-from early_exit_router.runtime.batch_engine import BatchEngine, combined_stats, padded_sequences
+from early_exit_router.runtime.batch_engine import BatchEngine, combined_stats, padded_sequences, per_row
 from early_exit_router.runtime.checkpoint import (
     BaseModelIdentity,
     head_fingerprint,
@@ -430,6 +430,11 @@ class EarlyExitRouter:
         if request.streamer is not None or request.output_logits:
             raise ValueError("Streamers and output_logits take one sequence: generate the batch row by row for them.")
         pad = self.pad_token_id(request.eos_token_ids) if pad_token_id is None else pad_token_id
+        if per_row(config, request.mode, selector) and not _compat.cache_rows_can_change(self._stack.new_cache()):
+            # A sliding window keeps the last slots, holes included: per-row batches need plain cache layers.
+            if selector.params.do_sample:
+                return self._run_rows_alone(input_ids, attention_mask, request, selector, config, pad)
+            config = config.replace(batch_design="synchronous")
         if not self.batch_synchronous(config):
             return self._run_rows_alone(input_ids, attention_mask, request, selector, config, pad)
         costs = self.costs(config=config) if config.policy == "cost" else None

@@ -99,16 +99,32 @@ class Router:
         return (confidence >= high) | ((confidence >= low) & (entropy <= cfg.entropy_threshold))
 
     def head_signal(
-        self, logits: torch.Tensor, shift: float = 0.0, learned: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        shift: float = 0.0,
+        learned: torch.Tensor | None = None,
+        columns: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., vocab) head logits -> (exit flags, confidences) of shape (...), on the logits' device (no sync).
 
         `learned`, a head gate's P(agree) of shape (...), replaces the maximum probability as the confidence the
-        thresholds compare (the entropy rule still reads the logits)."""
+        thresholds compare (the entropy rule still reads the logits, where it can decide anything). `columns`: the
+        only finite logits' ids (a trimmed draft head's), read alone: the same values at K / vocab of the cost."""
+        if learned is not None and not self.entropy_decides:  # no softmax at all: the learned confidence decides
+            confidence = learned.reshape(logits.shape[:-1]).float()
+            return self.exit_rule(confidence, torch.zeros_like(confidence), shift), confidence
+        if columns is not None:
+            logits = logits.index_select(-1, columns)  # (..., K)
         confidence, entropy = self.confidence_entropy(logits)
         if learned is not None:
             confidence = learned.reshape(confidence.shape).float()
         return self.exit_rule(confidence, entropy, shift), confidence
+
+    @property
+    def entropy_decides(self) -> bool:
+        """Whether the entropy rule can change a decision: only with a low threshold under the high one (a calibrated
+        config uses the confidence rule alone, low = high, and thresholds shift together)."""
+        return self.config.low_conf_threshold < self.config.high_conf_threshold
 
     def adjust(self, state: RoutingState, rolling_agreement: float) -> None:
         """Threshold controller: one step toward `controller_target` (stricter below it, looser above it).
