@@ -155,7 +155,9 @@ class RouterConfig:
             "affine before the final norm, tuned-lens style), 'lowrank' (residual low-rank) or 'postnorm' "
             "(residual full-rank map after the final norm; export-draft folds it exactly into the LM head) or "
             "'block' (one decoder block at the exit, a trained copy of the next layer with a KV cache of its own, "
-            "as in Kangaroo; export-draft keeps it as the draft model's last layer)."
+            "as in Kangaroo; export-draft keeps it as the draft model's last layer) or 'residual_block' (a block "
+            "whose update enters scaled per channel from zero, then a post-norm map: it starts as exactly a "
+            "'postnorm' head and can be warm-started from one; not exportable)."
         },
     )
     adapter_rank: int = field(

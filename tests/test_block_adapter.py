@@ -7,7 +7,7 @@ import torch
 
 from early_exit_router import EarlyExitRouter
 from early_exit_router.runtime.engine import DecodeRequest
-from early_exit_router.runtime.heads import BlockAdapter
+from early_exit_router.runtime.heads import BlockAdapter, after_block
 from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
 
 from .conftest import MIXED, assert_cache_matches_full_forward, prompt, tiny_llama
@@ -15,13 +15,17 @@ from .conftest import MIXED, assert_cache_matches_full_forward, prompt, tiny_lla
 EXITS = [1, 3]
 
 
-def block_router(model, seed: int = 5, **overrides):
-    """Block adapters at layers 1 and 3, nudged away from the copied layers (as training would)."""
-    router = EarlyExitRouter.from_model(model, exit_layers=EXITS, adapter="block", **{**MIXED, **overrides})
+def block_router(model, seed: int = 5, kind: str = "block", **overrides):
+    """Block adapters at layers 1 and 3, nudged away from the copied layers (as training would); a residual block
+    also lets half of the block's update through and has a post-norm map."""
+    router = EarlyExitRouter.from_model(model, exit_layers=EXITS, adapter=kind, **{**MIXED, **overrides})
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in router.heads.parameters():
             p.add_(torch.randn_like(p) * 0.002)
+        for e in EXITS:
+            if router.heads.adapter(e).mix is not None:
+                router.heads.adapter(e).mix.add_(0.5)
     return router
 
 
@@ -53,12 +57,13 @@ def test_the_block_starts_as_a_copy_of_the_next_layer():
     torch.testing.assert_close(out, states[3], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["block", "residual_block"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_verify_mode_with_block_adapters_is_greedy_identical_and_the_block_cache_survives_rollback(seed):
+def test_verify_mode_with_block_adapters_is_greedy_identical_and_the_block_cache_survives_rollback(seed, kind):
     model = tiny_llama(seed)
     ids = prompt(seed, 8)
     expected = model.generate(ids, max_new_tokens=24, do_sample=False)
-    router = block_router(model)
+    router = block_router(model, kind=kind)
     engine = router.engine()
     request = DecodeRequest(mode="verify", max_new_tokens=24)
     decoding = engine.start(ids, request, TokenSelector(SamplingParams(), router._stack.device))
@@ -86,9 +91,10 @@ def test_exit_mode_with_block_adapters_uses_them_and_fills_the_model_cache_exact
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
 
 
-def test_an_exit_through_the_block_is_the_block_computed_independently():
+@pytest.mark.parametrize("kind", ["block", "residual_block"])
+def test_an_exit_through_the_block_is_the_block_computed_independently(kind):
     model = tiny_llama(0)
-    router = block_router(model, high_conf_threshold=0.0, low_conf_threshold=0.0)
+    router = block_router(model, kind=kind, high_conf_threshold=0.0, low_conf_threshold=0.0)
     router.config = router.config.replace(active_exit_layers=[1])
     ids = prompt(0, 6)
     out = router.generate(ids, max_new_tokens=6, mode="exit")
@@ -98,7 +104,8 @@ def test_an_exit_through_the_block_is_the_block_computed_independently():
     for t in range(ids.shape[1] + 1, seq.shape[1]):
         _, block_out = block_reference(model, router, seq[:, :t], 1)
         with torch.no_grad():
-            expected = model.lm_head(model.model.norm(block_out[:, -1])).argmax(-1)
+            normed = after_block(router.heads.adapter(1), model.model.norm(block_out[:, -1]))  # the post map, if any
+            expected = model.lm_head(normed).argmax(-1)
         assert int(expected) == int(seq[0, t]), t
 
 
@@ -127,3 +134,22 @@ def test_a_padded_batch_with_block_adapters_runs_each_row_alone():
     for r, row in enumerate(rows):
         alone = router.generate(row[None], max_new_tokens=12, mode="exit")
         assert batch.sequences[r, width:].tolist() == alone.sequences[0, len(row) :].tolist()
+
+
+def test_a_residual_block_starts_as_exactly_its_postnorm_head():
+    """Its block's update enters scaled by zero at the start and its post-norm map is a `postnorm` adapter, so a
+    residual block warm-started from a trained `postnorm` head predicts exactly what that head does."""
+    from early_exit_router.runtime.heads import exit_logits
+
+    model = tiny_llama(0)
+    postnorm = EarlyExitRouter.from_model(model, exit_layers=EXITS, adapter="postnorm")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        postnorm.heads.adapter(1).proj.weight.normal_(std=0.05)
+    residual = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=EXITS, adapter="residual_block")
+    residual.heads.adapter(1).post.load_state_dict(postnorm.heads.adapter(1).state_dict())
+    with torch.no_grad():
+        states = model(prompt(0, 10), output_hidden_states=True).hidden_states[2]  # exit 1's states (1, 10, hidden)
+        expected = exit_logits(postnorm._stack, postnorm.heads.adapter(1), states)
+        got = exit_logits(residual._stack, residual.heads.adapter(1), states)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -23,7 +23,7 @@ def trained_looking_router(model, **kwargs):
     return router
 
 
-@pytest.mark.parametrize("adapter", ["linear", "lowrank", "identity", "postnorm", "block"])
+@pytest.mark.parametrize("adapter", ["linear", "lowrank", "identity", "postnorm", "block", "residual_block"])
 def test_save_and_load_round_trip_gives_identical_outputs(tmp_path, adapter):
     model = tiny_llama(0)
     model.save_pretrained(tmp_path / "base")

@@ -112,7 +112,7 @@ def test_coverage_and_break_even():
     assert 0.0 < flat < steep <= 1.0  # drafting pays at lower acceptance where extra positions are cheap
 
 
-@pytest.mark.parametrize("adapter", ["postnorm", "block"])
+@pytest.mark.parametrize("adapter", ["postnorm", "block", "residual_block"])
 def test_survey_fits_every_layer_and_leaves_the_router_heads_alone(adapter):
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **RANKED)
     before = {k: v.clone() for k, v in router.heads.state_dict().items()}

@@ -61,8 +61,9 @@ def test_exported_draft_reproduces_the_exit_head(tmp_path, family, adapter):
     assert router.model is model and router.is_enabled  # the source router is untouched
 
 
-def test_adapters_before_the_norm_are_refused_with_the_fix(tmp_path):
-    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], adapter="linear")
+@pytest.mark.parametrize("adapter", ["linear", "residual_block"])
+def test_adapters_that_do_not_fold_are_refused_with_the_fix(tmp_path, adapter):
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], adapter=adapter)
     with pytest.raises(ValueError, match="--adapter postnorm"):
         export_draft(router, 3, tmp_path / "draft")
     with pytest.raises(ValueError, match="exit layers are"):

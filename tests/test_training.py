@@ -46,7 +46,7 @@ def test_cache_holds_the_model_own_hidden_states():
     assert cache.next_token[:31].tolist() == seqs[0][1:] and cache.next_token[31] == -1
 
 
-@pytest.mark.parametrize("adapter", ["linear", "lowrank", "postnorm", "block"])
+@pytest.mark.parametrize("adapter", ["linear", "lowrank", "postnorm", "block", "residual_block"])
 def test_a_few_steps_lower_the_distillation_loss_and_leave_the_base_frozen(adapter):
     model = tiny_llama(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -26,6 +26,7 @@ from early_exit_router.models import _compat
 from early_exit_router.models.architecture import dense
 
 DRAFT_RANKING = "draft_ranking"  # state_dict key of ExitHeads' token ranking for the trimmed draft head
+BLOCK_KINDS = ("block", "residual_block")  # adapter kinds built from a copy of the model's own layer
 
 
 class IdentityAdapter(nn.Module):
@@ -378,7 +379,7 @@ def gate_probability(
 def make_adapter(kind: str, hidden_size: int, rank: int, block: Callable[..., BlockAdapter] | None = None) -> nn.Module:
     """A fresh adapter of `kind`; "block" and "residual_block" need `block`, which builds them from the base
     model's layers."""
-    if kind in ("block", "residual_block"):
+    if kind in BLOCK_KINDS:
         if block is None:
             raise ValueError(f"A {kind!r} adapter is built from the base model's layers: pass block_source(stack).")
         return block(residual=kind == "residual_block")

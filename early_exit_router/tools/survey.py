@@ -22,7 +22,7 @@ import torch
 
 from early_exit_router.models.architecture import dense
 from early_exit_router.runtime.costs import CostModel
-from early_exit_router.runtime.heads import block_source, exit_normed, make_adapter, needs_context
+from early_exit_router.runtime.heads import BLOCK_KINDS, block_source, exit_normed, make_adapter, needs_context
 from early_exit_router.runtime.policy import DraftPolicy
 from early_exit_router.tools.training import HiddenStateCache, chunk_positions, coverage_at, distillation_loss
 
@@ -97,10 +97,10 @@ def survey_exits(
     no_next = torch.full((batch_tokens,), -1)
     rows = []
     for layer in sorted(cache.exits):
-        policy = DraftPolicy(costs, [layer], [False], has_block=[adapter == "block"])
+        policy = DraftPolicy(costs, [layer], [False], has_block=[adapter in BLOCK_KINDS])
         states = cache.exits[layer]
         torch.manual_seed(seed)
-        block = functools.partial(block_source(stack), layer) if adapter == "block" else None
+        block = functools.partial(block_source(stack), layer) if adapter in BLOCK_KINDS else None
         head = make_adapter(adapter, stack.hidden_size, router.config.adapter_rank, block)
         head = head.to(stack.device).float()
         context = needs_context(head)  # a block attends to the context: it trains and is scored on whole chunks
