@@ -158,22 +158,12 @@ def test_bench_batch_reports_every_arm_and_verify_rows_equal_the_control():
         run_batch_bench(router, prompts, BatchBenchConfig(batch_sizes=(0,)))
 
 
-@pytest.mark.parametrize("mode", ["verify", "exit"])
-def test_rows_joining_and_leaving_between_steps_equal_each_row_run_alone(mode):
-    """Continuous batching: rows join (shorter and longer than the batch so far) and leave between steps; verify
-    rows equal HF greedy of each prompt alone, exit rows (never exiting) too, and the cache stays small."""
-    from early_exit_router.runtime.batch_engine import BatchDecode
+def continuous(batch, prompts: list[torch.Tensor], budgets: list[int], mode: str):
+    """Continuous batching by hand: `join(k)` adds prompt k between steps (stepping until rows may join), `retire()`
+    takes finished rows out, keeping their outputs in the returned dict."""
     from early_exit_router.runtime.engine import DecodeRequest
-    from early_exit_router.runtime.routing import Router
     from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
 
-    model = tiny_llama(0)
-    config = MIXED if mode == "verify" else NEVER_EXIT
-    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
-    cfg = router.config
-    batch = BatchDecode(router._stack, router.heads, Router(cfg, VOCAB), cfg, mode, PAD)
-    prompts = [left_padded([n], seed)[0] for n, seed in [(6, 1), (3, 2), (14, 3), (5, 4)]]
-    budgets = [10, 14, 6, 8]
     rows, outputs = {}, {}
 
     def join(k: int) -> None:
@@ -188,6 +178,25 @@ def test_rows_joining_and_leaving_between_steps_equal_each_row_run_alone(mode):
             if row in finished:
                 outputs[k] = batch.output(row)
         batch.remove(finished)
+
+    return join, retire, outputs
+
+
+@pytest.mark.parametrize("mode", ["verify", "exit"])
+def test_rows_joining_and_leaving_between_steps_equal_each_row_run_alone(mode):
+    """Continuous batching: rows join (shorter and longer than the batch so far) and leave between steps; verify
+    rows equal HF greedy of each prompt alone, exit rows (never exiting) too, and the cache stays small."""
+    from early_exit_router.runtime.batch_engine import BatchDecode
+    from early_exit_router.runtime.routing import Router
+
+    model = tiny_llama(0)
+    config = MIXED if mode == "verify" else NEVER_EXIT
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    cfg = router.config
+    batch = BatchDecode(router._stack, router.heads, Router(cfg, VOCAB), cfg, mode, PAD)
+    prompts = [left_padded([n], seed)[0] for n, seed in [(6, 1), (3, 2), (14, 3), (5, 4)]]
+    budgets = [10, 14, 6, 8]
+    join, retire, outputs = continuous(batch, prompts, budgets, mode)
 
     join(0)
     for _ in range(3):

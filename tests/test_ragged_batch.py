@@ -14,7 +14,7 @@ from early_exit_router.runtime.routing import Router
 from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
 
 from .conftest import CASCADE, VOCAB, tiny_costs, tiny_llama
-from .test_batching import PAD, hf_batched_greedy, row_alone
+from .test_batching import PAD, continuous, hf_batched_greedy, row_alone
 
 PER_ROW = dict(CASCADE, ngram_tier=True, batch_design="per_row", ngram_store_tokens=0)
 
@@ -129,19 +129,8 @@ def test_rows_joining_and_leaving_equal_each_row_alone():
     batch = RaggedVerifyDecode(router._stack, router.heads, Router(cfg, VOCAB), cfg, "verify", PAD)
     prompts = [repetitive([n], seed)[0] for n, seed in [(9, 1), (4, 2), (17, 3)]]
     budgets = [14, 10, 8]
-    rows, outputs = {}, {}
-
-    def join(k: int) -> None:
-        assert batch.can_join()  # no drafts ever wait in a per-row batch
-        request = DecodeRequest(mode="verify", max_new_tokens=budgets[k])
-        rows[k] = batch.join(prompts[k], request, TokenSelector(SamplingParams(), prompts[k].device))
-
-    def retire() -> None:
-        finished = [row for row in batch.rows if row.done]
-        for k, row in rows.items():
-            if row in finished:
-                outputs[k] = batch.output(row)
-        batch.remove(finished)
+    assert batch.can_join()  # no drafts ever wait in a per-row batch
+    join, retire, outputs = continuous(batch, prompts, budgets, "verify")
 
     join(0)
     batch.step()
