@@ -37,7 +37,7 @@ from early_exit_router.runtime.heads import (
     needs_context,
     uses_head,
 )
-from early_exit_router.runtime.ngram import SuffixStore, ngram_match
+from early_exit_router.runtime.ngram import SuffixStore, ngram_match, prefer_stored
 from early_exit_router.runtime.policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
 from early_exit_router.runtime.routing import FULL_DEPTH, Router, RoutingState
 from early_exit_router.runtime.sampling import TokenSelector
@@ -420,11 +420,7 @@ class Engine:
             return [], 0
         found = ngram_match(state.tokens, self.config.ngram_size, budget, self.config.ngram_min_size)
         state.context_ngram = (len(state.tokens), found[0][0] if found[0] else -1)  # gates read this scan's answer
-        if self.store is not None:
-            stored = self.store.lookup(state.tokens, budget)
-            if (stored[1], len(stored[0])) > (found[1], len(found[0])):
-                return stored
-        return found
+        return prefer_stored(found, self.store, state.tokens, budget)
 
     def _propose_ngram(self, state: SequenceState, request: DecodeRequest) -> bool:
         """Zero-layer tier: if the last tokens occurred before, emit what followed them there as drafts.

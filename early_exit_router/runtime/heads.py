@@ -100,15 +100,15 @@ class BlockAdapter(nn.Module):
     post_norm = False
     needs_context = True
 
-    def __init__(self, block: nn.Module, mask_kind: str, residual: bool = False) -> None:
+    def __init__(self, block: nn.Module, mask_kind: str, residual_width: int | None = None) -> None:
         super().__init__()
         self.block = block
         self.mask_kind = mask_kind
         # `residual_block`: the block's update enters scaled per channel (zero at the start), and a post-norm map
         # follows the final norm, so the adapter starts as exactly a `postnorm` head (which it can be warm-started
         # from) and training only adds what the block's attention and MLP contribute.
-        self.mix = nn.Parameter(torch.zeros(block_width(block))) if residual else None
-        self.post = PostNormAdapter(block_width(block)) if residual else None
+        self.mix = None if residual_width is None else nn.Parameter(torch.zeros(residual_width))
+        self.post = None if residual_width is None else PostNormAdapter(residual_width)
         for module in block.modules():  # the block's keys and values go to layer 0 of its own cache
             if hasattr(module, "layer_idx"):
                 module.layer_idx = 0
@@ -125,21 +125,13 @@ class BlockAdapter(nn.Module):
         return out if self.mix is None else hidden + self.mix * (out - hidden)
 
 
-def block_width(block: nn.Module) -> int:
-    """The hidden size a decoder block reads and writes: the width of its first norm's weight."""
-    for module in block.modules():
-        weight = getattr(module, "weight", None)
-        if weight is not None and weight.dim() == 1:
-            return int(weight.shape[0])
-    raise ValueError(f"Cannot tell the hidden size of {type(block).__name__}: no norm weight found.")
-
-
 def block_source(stack: Any) -> Callable[..., BlockAdapter]:
     """Makes the block adapter of exit `e`: a copy of layer e + 1 (the last layer for an exit at the last one)."""
 
     def make(exit_layer: int, residual: bool = False) -> BlockAdapter:
         idx = min(exit_layer + 1, stack.num_layers - 1)
-        return BlockAdapter(copy.deepcopy(stack.layers[idx]), stack.mask_kinds[idx], residual)
+        width = stack.hidden_size if residual else None
+        return BlockAdapter(copy.deepcopy(stack.layers[idx]), stack.mask_kinds[idx], width)
 
     return make
 

@@ -26,6 +26,18 @@ def ngram_match(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: in
     return [], 0
 
 
+def prefer_stored(
+    found: tuple[list[int], int], store: SuffixStore | None, tokens: list[int], budget: int
+) -> tuple[list[int], int]:
+    """The n-gram tier's proposal: the longer match of the context's (`found`, from `ngram_match`) and the store's
+    (on a tie, the longer proposal; then the context's)."""
+    if store is not None:
+        stored = store.lookup(tokens, budget)
+        if (stored[1], len(stored[0])) > (found[1], len(found[0])):
+            return stored
+    return found
+
+
 def ngram_lookup(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: int = 2) -> list[int]:
     """Prompt lookup: `ngram_match`'s proposal alone."""
     return ngram_match(tokens, max_ngram, max_draft, min_ngram)[0]

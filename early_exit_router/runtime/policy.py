@@ -28,6 +28,7 @@ from typing import Any
 from early_exit_router.runtime.costs import CostModel
 
 TierKey = tuple[str, int]  # ("exit", exit index) or ("ngram", match length)
+MARGIN = 0.03  # drafting must beat plain decoding by this share, so that a near-tie decodes plainly
 
 
 def expected_tokens(a: float, d: int) -> float:
@@ -74,7 +75,7 @@ class DraftPolicy:
         costs: CostModel,
         exit_layers: list[int],
         uses_gate: list[bool],
-        margin: float = 0.03,
+        margin: float = MARGIN,
         has_block: list[bool] | None = None,
     ) -> None:
         self.costs = costs

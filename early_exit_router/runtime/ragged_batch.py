@@ -14,7 +14,7 @@ shortest accepted prefix. Here each row keeps its own, in a cache that stays one
 Draft width: a batch of b rows over K + 1 slots costs about what b (K + 1) positions cost (compute-bound once
 batching fills the device). Each pass takes the K with the most expected tokens per millisecond, from the cost
 model and each row's proposal (acceptance per match length, tracked online, also on the proposals a pass did not
-draft); K = 0 is a plain batched step. Without a cost model (policy 'threshold') every proposal is drafted in full.
+draft); K = 0 is a plain batched step. Without a cost model (policy 'fixed') every proposal is drafted in full.
 
 Sampling: a row accepts draft x with probability p(x) (the n-gram tier proposes deterministically: q(x) = 1), and
 otherwise samples from p without x, renormalised: each row's tokens follow the full model's distribution
@@ -36,13 +36,12 @@ from early_exit_router.runtime.batch_engine import BatchDecode, BatchRow
 from early_exit_router.runtime.costs import CostModel
 from early_exit_router.runtime.engine import NGRAM_LAYER
 from early_exit_router.runtime.heads import ExitHeads
-from early_exit_router.runtime.ngram import SuffixStore, ngram_match
-from early_exit_router.runtime.policy import AcceptanceTracker, TierKey, expected_tokens
+from early_exit_router.runtime.ngram import SuffixStore, ngram_match, prefer_stored
+from early_exit_router.runtime.policy import MARGIN, AcceptanceTracker, TierKey, expected_tokens
 from early_exit_router.runtime.routing import Router
 
 COMPACT_WASTE = 0.25  # compact when holes make the cache this share longer than its longest row's real slots
 COMPACT_MIN = 16  # ... and at least this many slots longer
-MARGIN = 0.03  # drafting must beat a plain batched step by this share (the cost policy's margin)
 
 
 class RaggedVerifyDecode(BatchDecode):
@@ -79,7 +78,7 @@ class RaggedVerifyDecode(BatchDecode):
             return
         self.steps += 1
         q = self.length - 1  # every row's current token sits in this slot
-        contexts = [self._context(r) for r in range(len(self.rows))]
+        contexts = [[] if row.done else self._context(r) for r, row in enumerate(self.rows)]
         proposals = [self._proposal(row, tokens) for row, tokens in zip(self.rows, contexts)]
         width = self._draft_width(proposals)
         drafts = [proposal[:width] for proposal, _ in proposals]
@@ -135,11 +134,7 @@ class RaggedVerifyDecode(BatchDecode):
         if row.done or not cfg.ngram_tier or budget <= 0:
             return [], 0
         found = ngram_match(tokens, cfg.ngram_size, budget, cfg.ngram_min_size)
-        if self.store is not None:
-            stored = self.store.lookup(tokens, budget)
-            if (stored[1], len(stored[0])) > (found[1], len(found[0])):
-                return stored
-        return found
+        return prefer_stored(found, self.store, tokens, budget)
 
     def _draft_width(self, proposals: list[tuple[list[int], int]]) -> int:
         """K for this pass: the most expected tokens per millisecond (see the module docstring)."""
