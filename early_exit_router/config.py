@@ -56,12 +56,13 @@ class RouterConfig:
         },
     )
     batch_design: str = field(
-        default="per_row",
+        default="synchronous",
         metadata={
             "help": "Verify-mode batches (batch > 1). 'per_row': each row drafts from the n-gram tier and keeps its "
             "own accepted prefix (rejected drafts become masked holes in a rectangular cache); 'synchronous': the "
             "batch drafts from the exits only when every row may and keeps the shortest accepted prefix. Exit-mode "
-            "batches are always synchronous, and verify-mode sampling always runs per row."
+            "batches are always synchronous, and verify-mode sampling always runs per row. The default is the "
+            "faster in `bench-batch` on this project's CPU (README, Batches)."
         },
     )
     draft_vocab_size: int = field(

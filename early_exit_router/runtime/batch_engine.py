@@ -479,7 +479,7 @@ class BatchEngine:
         per-row stats, the cache (of every slot but the last) and per-row depths (the layer each new token left
         at)."""
         batch = new_batch(self.stack, self.heads, self.router, self.config, request.mode, pad_token_id,
-                          selector, self.costs, self.store)  # fmt: skip
+                          selector.params.do_sample, self.costs, self.store)  # fmt: skip
         b, n = input_ids.shape
         batch.prefill(input_ids, attention_mask, [request] * b, [selector] * b)
         while not batch.finished:
@@ -499,20 +499,17 @@ class BatchEngine:
         return sequences, stats, cache, depths
 
 
-def per_row(config: RouterConfig, mode: str, selector: TokenSelector | None) -> bool:
+def per_row(config: RouterConfig, mode: str, sampling: bool) -> bool:
     """Whether a batch runs in the per-row design (`ragged_batch.py`): verify mode under `batch_design='per_row'`,
     and verify-mode sampling always (one accepted prefix for a batch cannot keep each row's distribution)."""
-    if mode != "verify":
-        return False
-    sampling = selector is not None and selector.params.do_sample
-    return sampling or config.batch_design == "per_row"
+    return mode == "verify" and (sampling or config.batch_design == "per_row")
 
 
 def new_batch(stack: LayerStack, heads: ExitHeads, router: Router, config: RouterConfig, mode: str,
-              pad_token_id: int, selector: TokenSelector | None = None, costs: Any = None,
+              pad_token_id: int, sampling: bool = False, costs: Any = None,
               store: Any = None) -> BatchDecode:  # fmt: skip
     """An empty batch of the design `config`, `mode` and the rows' sampling call for (see `per_row`)."""
-    if per_row(config, mode, selector):
+    if per_row(config, mode, sampling):
         from early_exit_router.runtime.ragged_batch import RaggedVerifyDecode
 
         return RaggedVerifyDecode(stack, heads, router, config, mode, pad_token_id, costs, store)

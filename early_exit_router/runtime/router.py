@@ -430,9 +430,10 @@ class EarlyExitRouter:
         if request.streamer is not None or request.output_logits:
             raise ValueError("Streamers and output_logits take one sequence: generate the batch row by row for them.")
         pad = self.pad_token_id(request.eos_token_ids) if pad_token_id is None else pad_token_id
-        if per_row(config, request.mode, selector) and not _compat.cache_rows_can_change(self._stack.new_cache()):
+        sampling = selector.params.do_sample
+        if per_row(config, request.mode, sampling) and not _compat.cache_rows_can_change(self._stack.new_cache()):
             # A sliding window keeps the last slots, holes included: per-row batches need plain cache layers.
-            if selector.params.do_sample:
+            if sampling:
                 return self._run_rows_alone(input_ids, attention_mask, request, selector, config, pad)
             config = config.replace(batch_design="synchronous")
         if not self.batch_synchronous(config):

@@ -211,7 +211,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[_Running] = []
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[tuple[str, bool], _Group] = {}  # (mode, per row) -> its batch
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._work, name="early-exit-router-scheduler", daemon=True)
@@ -282,20 +282,20 @@ class Scheduler:
                 self.emit(job, ("error", stopping))
 
     def _batchable(self, job: Job) -> bool:
-        """Whether the job may share a batch: the server's routing; sampling in exit mode, or in a per-row verify
-        batch (each row keeps its own distribution there)."""
-        if not (self.batching and job.config == self.base_config and self.router.batch_synchronous(job.config)):
-            return False
-        return job.mode == "exit" or not job.params.do_sample or per_row(job.config, job.mode, None)
+        """Whether the job may share a batch: the server's routing (greedy or sampled: verify-mode sampling joins a
+        per-row batch, where each row keeps its own distribution)."""
+        return self.batching and job.config == self.base_config and self.router.batch_synchronous(job.config)
 
     def _group(self, job: Job) -> _Group:
-        group = self._groups.get(job.mode)
+        sampling = job.params.do_sample
+        key = (job.mode, per_row(self.base_config, job.mode, sampling))  # verify mode: per-row and synchronous batches
+        group = self._groups.get(key)
         if group is None:
             cfg, router = self.base_config, self.router
             costs = router.costs(config=cfg) if cfg.policy == "cost" else None
             batch = new_batch(router._stack, router.heads, Router(cfg, router._stack.vocab_size), cfg, job.mode,
-                              router.pad_token_id(self._eos), None, costs, router.ngram_store())  # fmt: skip
-            group = self._groups[job.mode] = _Group(batch)
+                              router.pad_token_id(self._eos), sampling, costs, router.ngram_store())  # fmt: skip
+            group = self._groups[key] = _Group(batch)
         return group
 
     @property
