@@ -28,6 +28,8 @@ def _add_router_options(parser: argparse.ArgumentParser) -> None:
         help_text = f"{f.metadata['help']} (built-in default: {f.default!r})"
         if f.name in ("exit_layers", "active_exit_layers"):
             group.add_argument(flag, type=_int_list, default=None, metavar="E1,E2", help=help_text)
+        elif f.name == "exit_adapters":
+            group.add_argument(flag, type=_kind_map, default=None, metavar="E1:KIND,E2:KIND", help=help_text)
         elif f.type in ("bool", bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif f.name in CHOICES:
@@ -66,6 +68,17 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices like 10,20, got {text!r}") from None
+
+
+def _kind_map(text: str) -> dict[int, str]:
+    """'16:residual_block,24:postnorm' -> {16: 'residual_block', 24: 'postnorm'}."""
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        return {int(layer): kind.strip() for layer, kind in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer:kind pairs like 16:residual_block, got {text!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,6 +172,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.9,
         help="Pick high_conf_threshold so held-out exits agree this often (default: %(default)s; 0 keeps it).",
     )
+    train.add_argument(
+        "--init-from",
+        default=None,
+        help="Warm start: a saved router folder or alias whose trained adapters load into the new heads (same kind "
+        "whole; a postnorm head into a residual_block's post-norm map) and learn at --warm-lr-scale of the rate.",
+    )
+    train.add_argument(
+        "--train-exits",
+        type=_int_list,
+        default=None,
+        metavar="E1,E2",
+        help="Train only these exits' adapters; the others keep what --init-from loaded (default: all).",
+    )
+    train.add_argument(
+        "--warm-lr-scale", type=float, default=0.1, help="Rate factor of warm-started parameters (default: 0.1)."
+    )
+    train.add_argument(
+        "--hidden-states",
+        default=None,
+        help="A file for the corpus' hidden states: reused when it exists (the corpus is then not built again), "
+        "written after the corpus pass when it does not.",
+    )
+    train.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
     train.add_argument("--quiet", action="store_true", help="No progress bars.")
     _add_router_options(train)
 
@@ -453,9 +489,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_heads(args: argparse.Namespace) -> int:
-    from early_exit_router.runtime.router import EarlyExitRouter
-    from early_exit_router.tools.training import TrainingConfig, corpus_sequences, distill_router
+    import torch
 
+    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.tools.training import (
+        HiddenStateCache,
+        TrainingConfig,
+        build_cache,
+        corpus_sequences,
+        distill_router,
+        warm_start,
+    )
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     overrides = _router_overrides(args)
     router = EarlyExitRouter.from_pretrained(args.model, fresh_heads=True, **overrides)
     print(router.describe(), file=sys.stderr)
@@ -467,19 +514,37 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         ce_weight=args.ce_weight,
         seed=args.seed,
         head_gates=not args.pre_head_gates,
+        train_exits=args.train_exits,
+        warm_lr_scale=args.warm_lr_scale,
     )
+    warm = []
+    if args.init_from:
+        source = EarlyExitRouter.from_pretrained(args.init_from)
+        warm = warm_start(router, source.heads, router.exit_layers)
+        del source
+    elif args.train_exits is not None:
+        raise ValueError("--train-exits leaves the other exits untrained unless --init-from loads them: add it.")
     start = time.perf_counter()
-    sequences, manifest = corpus_sequences(
-        router,
-        args.max_tokens,
-        args.self_gen_tokens,
-        args.prompts,
-        use_docs=not args.no_docs,
-        progress=not args.quiet,
-        extra_prompts=args.generated_prompts,
-        sampled=args.sampled,
-        seed=args.seed,
-    )
+    states = Path(args.hidden_states) if args.hidden_states else None
+    if states is not None and states.exists():
+        sequences, cache = None, HiddenStateCache.load(states, router.exit_layers)
+        manifest = {"hidden_states": str(states), "note": "reused: the corpus was not built again"}
+    else:
+        sequences, manifest = corpus_sequences(
+            router,
+            args.max_tokens,
+            args.self_gen_tokens,
+            args.prompts,
+            use_docs=not args.no_docs,
+            progress=not args.quiet,
+            extra_prompts=args.generated_prompts,
+            sampled=args.sampled,
+            seed=args.seed,
+        )
+        cache = None
+        if states is not None:
+            cache = build_cache(router._stack, router.exit_layers, sequences, cfg.chunk_len, progress=not args.quiet)
+            cache.save(states)
     result = distill_router(
         router,
         sequences,
@@ -487,6 +552,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         gates=not args.no_gates,
         target_agreement=args.target_agreement or None,
         progress=not args.quiet,
+        cache=cache,
+        warm=warm,
     )
     result["corpus"] = manifest
     result["wall_seconds"] = round(time.perf_counter() - start, 1)

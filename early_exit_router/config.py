@@ -156,9 +156,18 @@ class RouterConfig:
             "affine before the final norm, tuned-lens style), 'lowrank' (residual low-rank) or 'postnorm' "
             "(residual full-rank map after the final norm; export-draft folds it exactly into the LM head) or "
             "'block' (one decoder block at the exit, a trained copy of the next layer with a KV cache of its own, "
-            "as in Kangaroo; export-draft keeps it as the draft model's last layer) or 'residual_block' (a block "
-            "whose update enters scaled per channel from zero, then a post-norm map: it starts as exactly a "
-            "'postnorm' head and can be warm-started from one; not exportable)."
+            "as in Kangaroo; export-draft keeps it as the draft model's last layer) or 'residual_block' (such a "
+            "block whose attention and MLP outputs enter scaled per channel from zero, then a post-norm map: it "
+            "starts as exactly a 'postnorm' head, can be warm-started from one, and export-draft folds both "
+            "scales into the layer's own weights)."
+        },
+    )
+    exit_adapters: dict[int, str] | None = field(
+        default=None,
+        metadata={
+            "help": "Per-exit adapter kinds that replace `adapter` at those exits, e.g. {16: 'residual_block'} "
+            "(on the command line 16:residual_block,24:postnorm): a block where one layer of cost buys much more "
+            "agreement, the cheap map elsewhere. None gives every exit `adapter`."
         },
     )
     adapter_rank: int = field(
@@ -308,6 +317,19 @@ class RouterConfig:
             )
         if self.adapter not in ADAPTER_KINDS:
             raise ValueError(f"Unknown adapter {self.adapter!r}: use one of {', '.join(ADAPTER_KINDS)}.")
+        if self.exit_adapters is not None:
+            # JSON keys are strings: back to layer indices, in depth order.
+            kinds = {int(e): kind for e, kind in self.exit_adapters.items()}
+            self.exit_adapters = {e: kinds[e] for e in sorted(kinds)}
+            for e, kind in self.exit_adapters.items():
+                if kind not in ADAPTER_KINDS:
+                    raise ValueError(f"Unknown adapter {kind!r} for exit {e}: use one of {', '.join(ADAPTER_KINDS)}.")
+            stray = sorted(set(self.exit_adapters) - set(self.exit_layers or []))
+            if stray:
+                raise ValueError(
+                    f"exit_adapters names layers {stray} that are not exit layers {self.exit_layers}: give every "
+                    "layer it names in exit_layers too."
+                )
 
     def check_model_depth(self, num_layers: int) -> None:
         """Raise a clear error when an exit layer does not fit a model with `num_layers` layers."""
@@ -319,6 +341,10 @@ class RouterConfig:
                 f"Exit layers {bad} are out of range for a model with {num_layers} layers: use 0-based indices "
                 f"from 0 to {num_layers - 2} (layer {num_layers - 1} is the full depth)."
             )
+
+    def adapter_for(self, layer: int) -> str:
+        """The adapter kind of exit `layer`: its `exit_adapters` entry, else `adapter`."""
+        return (self.exit_adapters or {}).get(layer, self.adapter)
 
     def consulted_exit_layers(self) -> list[int]:
         """The exit layers the router asks, in depth order."""

@@ -153,3 +153,42 @@ def test_a_residual_block_starts_as_exactly_its_postnorm_head():
         expected = exit_logits(postnorm._stack, postnorm.heads.adapter(1), states)
         got = exit_logits(residual._stack, residual.heads.adapter(1), states)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_a_residual_block_scales_the_layers_own_residual_writes():
+    """Its writers are found in the layer (attention's output and the MLP's down projection), and a layer where
+    zeroing them would not leave the identity is refused with the fix."""
+    from early_exit_router.runtime.heads import _check_starts_as_identity
+
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=EXITS, adapter="residual_block")
+    adapter = router.heads.adapter(1)
+    assert adapter.writers == ["self_attn.o_proj", "mlp.down_proj"]
+    assert adapter.mix.shape == (2, router._stack.hidden_size)
+    adapter.writers = ["mlp.down_proj"]  # attention would still write: not a residual block
+    with torch.no_grad():
+        adapter.mix = torch.nn.Parameter(torch.zeros(1, router._stack.hidden_size))
+    with pytest.raises(ValueError, match="Use the 'block' or 'postnorm' adapter"):
+        _check_starts_as_identity(adapter, router._stack)
+
+
+@pytest.mark.parametrize("mode", ["verify", "exit"])
+def test_a_batch_leaves_block_exits_out_and_consults_the_others(mode):
+    """Mixed heads (a block at one exit): batches carry no block caches, so they consult the other exits; verify
+    mode stays identical to the model's own greedy batch."""
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(
+        model, exit_layers=EXITS, adapter="postnorm", exit_adapters={3: "residual_block"}, **MIXED
+    )
+    assert router.batch_config().active_exit_layers == [1]
+    assert router.batch_config(router.config.replace(active_exit_layers=[3])) is None  # blocks alone: rows alone
+    rows = [prompt(0, 8)[0], prompt(1, 5)[0]]
+    width = max(len(r) for r in rows)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(r)), torch.ones(len(r))]).long() for r in rows])
+    out = router.generate(ids, max_new_tokens=12, mode=mode, attention_mask=mask)
+    depths = {d for row in out.depths for d in row}
+    assert 3 not in depths and (mode == "verify" or 1 in depths), depths
+    if mode == "verify":
+        with router.disabled() as plain:
+            expected = plain.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        assert torch.equal(out.sequences, expected)

@@ -50,6 +50,22 @@ def test_save_and_load_round_trip_gives_identical_outputs(tmp_path, adapter):
         assert torch.equal(a, b)
 
 
+def test_mixed_adapter_kinds_save_load_and_refuse_another_layout(tmp_path):
+    model = tiny_llama(0)
+    model.save_pretrained(tmp_path / "base")
+    router = trained_looking_router(model, adapter="postnorm", exit_adapters={3: "residual_block"})
+    expected = router.generate(prompt(1), max_new_tokens=16, output_logits=True)
+    router.save_pretrained(tmp_path / "router")
+    saved = load_router(tmp_path / "router")
+    fresh = EarlyExitRouter._from_saved(tiny_llama(0), None, saved, None, str(tmp_path / "base"))
+    assert fresh.heads.kinds == {1: "postnorm", 3: "residual_block"}
+    assert "L3 residual_block" in fresh.describe()
+    out = fresh.generate(prompt(1), max_new_tokens=16, output_logits=True)
+    assert torch.equal(out.sequences, expected.sequences)
+    with pytest.raises(ValueError, match="exit_adapters"):
+        EarlyExitRouter._from_saved(tiny_llama(0), None, saved, None, "x", exit_adapters={3: "block"})
+
+
 def test_from_pretrained_loads_a_router_folder_with_its_base_model(tmp_path):
     model = tiny_llama(0)
     model.save_pretrained(tmp_path / "base")

@@ -19,6 +19,8 @@ from early_exit_router import RouterConfig
         (dict(max_pending=0), "max_pending must be an integer >= 1"),
         (dict(adapter="mlp"), "Unknown adapter 'mlp'"),
         (dict(gate_threshold=2.0), "gate_threshold must be in"),
+        (dict(exit_layers=[1, 3], exit_adapters={3: "mlp"}), "Unknown adapter 'mlp' for exit 3"),
+        (dict(exit_layers=[1, 3], exit_adapters={2: "block"}), "not exit layers \\[1, 3\\]"),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(kwargs, message):
@@ -57,13 +59,21 @@ def test_a_new_high_threshold_alone_takes_the_low_one_down_with_it():
 
 
 def test_json_round_trip(tmp_path):
-    config = RouterConfig(exit_layers=[1, 3], high_conf_threshold=0.8, block_size=2)
+    config = RouterConfig(
+        exit_layers=[1, 3], high_conf_threshold=0.8, block_size=2, exit_adapters={3: "residual_block"}
+    )
     config.save(tmp_path / "c.json")
     import json
 
     assert RouterConfig.from_dict(json.loads((tmp_path / "c.json").read_text())) == config
     with pytest.raises(ValueError, match="newer early-exit-router"):
         RouterConfig.from_dict({**config.to_dict(), "future_knob": 1})
+
+
+def test_per_exit_adapter_kinds_override_the_default_kind():
+    config = RouterConfig(exit_layers=[1, 3, 4], adapter="postnorm", exit_adapters={"3": "residual_block"})
+    assert config.exit_adapters == {3: "residual_block"}  # JSON's string keys become layer indices
+    assert [config.adapter_for(e) for e in (1, 3, 4)] == ["postnorm", "residual_block", "postnorm"]
 
 
 def test_every_field_is_documented():

@@ -35,18 +35,23 @@ def randomize_adapters(router: EarlyExitRouter, seed: int = 0) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2-sliding", "gemma3_text", "gpt2"])
-@pytest.mark.parametrize("adapter", ["postnorm", "identity", "block"])
+@pytest.mark.parametrize("adapter", ["postnorm", "identity", "block", "residual_block"])
 def test_exported_draft_reproduces_the_exit_head(tmp_path, family, adapter):
     model = build(family, seed=1)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter=adapter)
-    if adapter == "block":  # a trained-looking block: the copied layer, moved
+    blocky = adapter in ("block", "residual_block")
+    if blocky:  # a trained-looking block: the copied layer, moved (and its residual writes let through)
+        torch.manual_seed(0)
         with torch.no_grad():
             for p in router.heads.parameters():
                 p.add_(torch.randn_like(p) * 0.02)
+            for e in (1, 3):
+                if router.heads.adapter(e).mix is not None:
+                    router.heads.adapter(e).mix.add_(torch.rand_like(router.heads.adapter(e).mix) + 0.3)
     else:
         randomize_adapters(router)
     info = export_draft(router, 3, tmp_path / "draft")
-    layers = 5 if adapter == "block" else 4  # a block exit keeps its block as the draft's last layer
+    layers = 5 if blocky else 4  # a block exit keeps its block as the draft's last layer
     assert info.num_layers == layers and info.base_layers == 6 and info.adapter == adapter
 
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").eval()  # plain transformers, no plugin
@@ -61,7 +66,24 @@ def test_exported_draft_reproduces_the_exit_head(tmp_path, family, adapter):
     assert router.model is model and router.is_enabled  # the source router is untouched
 
 
-@pytest.mark.parametrize("adapter", ["linear", "residual_block"])
+def test_each_exit_exports_with_its_own_adapter_kind(tmp_path):
+    """Mixed kinds (a residual block at one exit, postnorm maps elsewhere, as shipped): every exit exports."""
+    router = EarlyExitRouter.from_model(
+        tiny_llama(0), exit_layers=[1, 3], adapter="postnorm", exit_adapters={1: "residual_block"}
+    )
+    assert router.heads.kinds == {1: "residual_block", 3: "postnorm"}
+    randomize_adapters(router)
+    ids = prompt(4, length=9)
+    for layer, depth in ((1, 3), (3, 4)):
+        info = export_draft(router, layer, tmp_path / f"d{layer}")
+        assert (info.adapter, info.num_layers) == (router.heads.kinds[layer], depth)
+        draft = AutoModelForCausalLM.from_pretrained(tmp_path / f"d{layer}").eval()
+        with torch.no_grad():
+            theirs = draft(ids).logits
+        torch.testing.assert_close(theirs, router_exit_logits(router, layer, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("adapter", ["linear", "lowrank"])
 def test_adapters_that_do_not_fold_are_refused_with_the_fix(tmp_path, adapter):
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], adapter=adapter)
     with pytest.raises(ValueError, match="--adapter postnorm"):

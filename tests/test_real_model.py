@@ -140,15 +140,18 @@ def test_cli_trains_saves_and_reports_heads_on_a_small_budget(tmp_path, capsys):
     assert "| 24 |" in printed
 
 
-def test_export_draft_accepts_the_shipped_heads(smol, tmp_path):
+@pytest.mark.parametrize("index", [0, 1])
+def test_export_draft_accepts_the_shipped_heads(smol, tmp_path, index):
+    """The first exit (a postnorm map) and the middle one (a residual block: one more layer in the draft)."""
     from transformers import AutoModelForCausalLM
 
-    from early_exit_router.runtime.heads import exit_logits
+    from early_exit_router.runtime.heads import BLOCK_KINDS, exit_logits
     from early_exit_router.tools.export import export_draft
 
-    layer = smol.exit_layers[0]
+    layer = smol.exit_layers[index]
+    kind = smol.heads.kinds[layer]
     info = export_draft(smol, layer, tmp_path / "draft")
-    assert info.adapter == smol.config.adapter and info.num_layers == layer + 1
+    assert info.adapter == kind and info.num_layers == layer + 1 + (kind in BLOCK_KINDS)
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").eval()
     ids = smol.encode("Name a colour.", chat=True)
     stack = smol._stack

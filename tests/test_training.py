@@ -8,12 +8,14 @@ import torch
 from early_exit_router import EarlyExitRouter
 from early_exit_router.tools.head_report import cascade, exit_signals, quality_table, suggest_high_threshold
 from early_exit_router.tools.training import (
+    HiddenStateCache,
     TrainingConfig,
     build_cache,
     distillation_loss,
     head_logits,
     train_gates,
     train_heads,
+    warm_start,
 )
 
 from .conftest import MIXED, VOCAB, prompt, tiny_llama, tiny_tokenizer
@@ -60,6 +62,46 @@ def test_a_few_steps_lower_the_distillation_loss_and_leave_the_base_frozen(adapt
     for k, v in router.unpatch().state_dict().items():
         assert torch.equal(v, before[k]), k
     assert all(p.requires_grad for p in model.parameters())  # frozen only while training
+
+
+def test_a_warm_started_residual_block_trains_alone_and_the_other_exits_keep_their_heads():
+    """The shipped recipe: postnorm heads at every exit, then a residual block at one exit that starts as exactly
+    its postnorm head, trains alone, and has its warm post-norm map learn at the reduced rate."""
+    model = tiny_llama(0)
+    source = EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter="postnorm")
+    cache = build_cache(source._stack, [1, 3], corpus(), chunk_len=64, progress=False)
+    train_heads(source, cache, TrainingConfig(max_steps=20, batch_tokens=128, lr=1e-2), progress=False)
+    source.heads.set_draft_token_ranking(torch.randperm(VOCAB), VOCAB)
+    router = EarlyExitRouter.from_model(
+        tiny_llama(0), exit_layers=[1, 3], adapter="postnorm", exit_adapters={1: "residual_block"}
+    )
+    warm = warm_start(router, source.heads, [1, 3])
+    assert torch.equal(router.heads.draft_token_ranking(), source.heads.draft_token_ranking())
+    assert {id(p) for p in warm} == {
+        id(p) for p in [*router.heads.adapter(1).post.parameters(), *router.heads.adapter(3).parameters()]
+    }
+    assert mean_kl(router, cache, 1) == pytest.approx(mean_kl(source, cache, 1), abs=1e-5)  # the same head
+    kept = {k: v.clone() for k, v in router.heads.adapter(3).state_dict().items()}
+    start = mean_kl(router, cache, 1)
+    cfg = TrainingConfig(max_steps=40, batch_tokens=128, lr=1e-2, train_exits=[1], warm_lr_scale=0.1)
+    report = train_heads(router, cache, cfg, progress=False, warm=warm)
+    assert set(report.loss_last) == {1} and mean_kl(router, cache, 1) < start
+    for k, v in router.heads.adapter(3).state_dict().items():
+        assert torch.equal(v, kept[k]), k
+    assert router.heads.adapter(1).mix.abs().sum() > 0  # the block came in
+    with pytest.raises(ValueError, match="Cannot warm-start a 'postnorm' adapter at exit 1 from a 'residual_block'"):
+        warm_start(source, router.heads, [1])
+
+
+def test_the_hidden_state_cache_saves_and_loads_the_exits_asked_for(tmp_path):
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    cache = build_cache(router._stack, [1, 3], corpus(2, 32), chunk_len=32, progress=False)
+    cache.save(tmp_path / "states.pt")
+    loaded = HiddenStateCache.load(tmp_path / "states.pt", [3])
+    assert set(loaded.exits) == {3} and loaded.chunk_len == 32
+    assert torch.equal(loaded.exits[3], cache.exits[3]) and torch.equal(loaded.next_token, cache.next_token)
+    with pytest.raises(ValueError, match="do not cover exit layers \\[2\\]"):
+        HiddenStateCache.load(tmp_path / "states.pt", [2, 3])
 
 
 def test_cross_entropy_mixing_trains_and_changes_what_is_learned():
@@ -294,3 +336,44 @@ def test_sampled_self_generation_is_seeded_and_differs_from_greedy():
     sampled = self_generated(model, tokenizer, prompts, 12, sample=True, seed=1)
     assert sampled == self_generated(model, tokenizer, prompts, 12, sample=True, seed=1)
     assert sampled != greedy and all(len(s) > 2 for s in sampled)
+
+
+def test_cli_warm_starts_one_exit_from_saved_heads_and_reuses_saved_hidden_states(tmp_path, capsys):
+    """`train-heads --init-from --train-exits --hidden-states`: the shipped recipe's command on a tiny model."""
+    import json
+
+    from early_exit_router.cli import main
+    from early_exit_router.runtime.checkpoint import load_router
+
+    base = tmp_path / "base"
+    tiny_llama(0).save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    source = EarlyExitRouter.from_pretrained(base, exit_layers=[1, 3], adapter="postnorm", draft_vocab_size=0)
+    with torch.no_grad():
+        for p in source.heads.parameters():
+            p.normal_(std=0.05)
+    source.config = source.config.replace(heads_trained=True)
+    source.save_pretrained(tmp_path / "source")
+    states = tmp_path / "states.pt"
+    build_cache(source._stack, [1, 3], corpus(4, 64), chunk_len=64, progress=False).save(states)
+    args = [
+        "train-heads",
+        "--model",
+        str(base),
+        "--out",
+        str(tmp_path / "out"),
+        "--init-from",
+        str(tmp_path / "source"),
+    ]
+    args += ["--exit-layers", "1,3", "--exit-adapters", "1:residual_block", "--train-exits", "1", "--draft-vocab-size"]
+    args += ["0", "--hidden-states", str(states), "--max-steps", "3", "--target-agreement", "0", "--quiet"]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "out" / "training_report.json").read_text())
+    assert report["training"]["steps"] == 3 and set(report["training"]["loss_last"]) == {"1"}
+    assert "reused" in report["corpus"]["note"]
+    trained = load_router(tmp_path / "out")
+    assert trained.config.exit_adapters == {1: "residual_block"} and trained.has_gates
+    for key, value in source.heads.adapter(3).state_dict().items():  # exit 3 was loaded, not trained
+        assert torch.equal(trained.tensors[f"adapters.3.{key}"], value), key
+    assert main(args[:3] + ["--out", str(tmp_path / "x"), "--exit-layers", "1,3", "--train-exits", "1"]) == 2
+    assert "--init-from" in capsys.readouterr().err

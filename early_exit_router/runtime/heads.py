@@ -6,7 +6,10 @@ norm and LM head are the base model's, shared and never copied.
 
 The `block` adapter is one decoder block at the exit (Kangaroo's adapter): a copy of the model's own layer after
 the exit, trained to stand in for all the layers after it. Its attention needs the context, so it keeps a small KV
-cache of its own per sequence (`BlockContext`) and is run over whole chunks in training.
+cache of its own per sequence (`BlockContext`) and is run over whole chunks in training. The `residual_block`
+scales that block's residual writes per channel from zero and adds a post-norm map, so it starts as exactly a
+`postnorm` head. Each exit has its own kind (`RouterConfig.exit_adapters`): the shipped heads spend a block where
+it buys the most.
 
 Most adapters sit before the final norm (`lm_head(final_norm(A h))`, tuned-lens style). The `postnorm` adapter sits
 after it (`lm_head(M final_norm(h))`, no bias), which is what lets `export-draft` fold it exactly into a standalone
@@ -95,20 +98,24 @@ class BlockAdapter(nn.Module):
     Built as a copy of the layer after the exit (so that it starts as "one more layer" rather than as the logit
     lens) and trained by self-distillation to predict the full model's next token. Its attention reads its own KV
     cache (layer 0 of a cache of its own), never the model's.
+
+    With `writers` (a `residual_block`), the outputs of the block's projections that write into the residual stream
+    (attention's output projection, the MLP's down projection: `residual_writers`) are scaled per channel by `mix`,
+    zero at the start, and a post-norm map (`post`) follows the final norm. The adapter then starts as exactly a
+    `postnorm` head (which it can be warm-started from), training only adds what the block contributes, and both
+    scales fold into the layer's own weights (`folded_block_state`), so export-draft writes a stock layer.
     """
 
     post_norm = False
     needs_context = True
 
-    def __init__(self, block: nn.Module, mask_kind: str, residual_width: int | None = None) -> None:
+    def __init__(self, block: nn.Module, mask_kind: str, writers: list[str] | None = None, width: int = 0) -> None:
         super().__init__()
         self.block = block
         self.mask_kind = mask_kind
-        # `residual_block`: the block's update enters scaled per channel (zero at the start), and a post-norm map
-        # follows the final norm, so the adapter starts as exactly a `postnorm` head (which it can be warm-started
-        # from) and training only adds what the block's attention and MLP contribute.
-        self.mix = None if residual_width is None else nn.Parameter(torch.zeros(residual_width))
-        self.post = None if residual_width is None else PostNormAdapter(residual_width)
+        self.writers = list(writers or [])
+        self.mix = nn.Parameter(torch.zeros(len(self.writers), width)) if self.writers else None
+        self.post = PostNormAdapter(width) if self.writers else None
         for module in block.modules():  # the block's keys and values go to layer 0 of its own cache
             if hasattr(module, "layer_idx"):
                 module.layer_idx = 0
@@ -121,8 +128,94 @@ class BlockAdapter(nn.Module):
         if positions is None:
             first = 0 if cache is None else cache.get_seq_length(0)
             positions = torch.arange(first, first + hidden.shape[1], device=hidden.device).unsqueeze(0)
-        out = stack.run_module(self.block, self.mask_kind, hidden, cache, positions)
-        return out if self.mix is None else hidden + self.mix * (out - hidden)
+        # The scales act through hooks that live only for this call, so the block stays a stock module otherwise
+        # (its state_dict, deep copies and export see plain weights and `mix` beside them).
+        handles = [
+            self.block.get_submodule(name).register_forward_hook(_ScaleOutput(self.mix[i]))
+            for i, name in enumerate(self.writers)
+        ]
+        try:
+            return stack.run_module(self.block, self.mask_kind, hidden, cache, positions)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def folded_block_state(self) -> dict[str, torch.Tensor]:
+        """The block's state_dict with `mix` folded into its residual writers' weights (and biases): a stock layer
+        that computes exactly what this adapter's block does."""
+        state = dict(self.block.state_dict())
+        with torch.no_grad():
+            for i, name in enumerate(self.writers):
+                module = self.block.get_submodule(name)
+                scale = self.mix[i].to(module.weight.dtype)
+                axis = _output_axis(module, scale.numel())
+                state[f"{name}.weight"] = module.weight * (scale[:, None] if axis == 0 else scale[None, :])
+                if getattr(module, "bias", None) is not None:
+                    state[f"{name}.bias"] = module.bias * scale
+        return state
+
+
+class _ScaleOutput:
+    """Forward hook: the module's output times a per-channel scale."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output * self.scale.to(output.dtype)
+
+
+def _projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, leaf module) of every leaf inside `module` with a 2-D weight, in registration order."""
+    return [
+        (name, m)
+        for name, m in module.named_modules()
+        if not any(True for _ in m.children()) and getattr(getattr(m, "weight", None), "ndim", 0) == 2
+    ]
+
+
+def _output_axis(module: nn.Module, width: int) -> int:
+    """Which axis of a projection's 2-D weight indexes its `width` outputs (0 for nn.Linear, 1 for GPT-2's Conv1D),
+    found by probing: scaling the weight along that axis (and the bias) must scale the output per channel."""
+    weight, bias = module.weight.detach(), getattr(module, "bias", None)
+    scale = _probe((width,), weight.dtype, weight.device) + 0.5
+    for axis in (0, 1):
+        if weight.shape[axis] != width:
+            continue
+        x = _probe((3, weight.shape[1 - axis]), weight.dtype, weight.device)
+        params = {"weight": weight * (scale[:, None] if axis == 0 else scale[None, :])}
+        if bias is not None:
+            params["bias"] = bias.detach() * scale
+        try:
+            with torch.no_grad():
+                scaled = torch.func.functional_call(module, params, (x,))
+                expected = module(x) * scale
+        except RuntimeError:  # the input width of the other axis: not this one
+            continue
+        if torch.allclose(scaled, expected, rtol=1e-3, atol=1e-4):
+            return axis
+    raise ValueError(f"Cannot tell which axis of {type(module).__name__}'s weight holds its {width} outputs.")
+
+
+def _probe(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Seeded random values in [0, 1) for a numerical check, drawn without touching the global RNG (a user's seeds
+    stay theirs)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.rand(shape, generator=g).to(dtype=dtype, device=device)
+
+
+def residual_writers(block: nn.Module, width: int) -> list[str]:
+    """Names of the block's projections that write into the residual stream: the last projection (leaf with a 2-D
+    weight) of each direct child that has any, with `width` outputs (`self_attn.o_proj`, `mlp.down_proj` on
+    Llama-like layers). `block_source` checks numerically that zeroing their outputs makes the block the identity."""
+    writers = []
+    for child_name, child in block.named_children():
+        found = _projections(child)
+        if found:
+            name, module = found[-1]
+            if width in module.weight.shape:
+                writers.append(f"{child_name}.{name}" if name else child_name)
+    return writers
 
 
 def block_source(stack: Any) -> Callable[..., BlockAdapter]:
@@ -130,10 +223,29 @@ def block_source(stack: Any) -> Callable[..., BlockAdapter]:
 
     def make(exit_layer: int, residual: bool = False) -> BlockAdapter:
         idx = min(exit_layer + 1, stack.num_layers - 1)
-        width = stack.hidden_size if residual else None
-        return BlockAdapter(copy.deepcopy(stack.layers[idx]), stack.mask_kinds[idx], width)
+        block = copy.deepcopy(stack.layers[idx])
+        if not residual:
+            return BlockAdapter(block, stack.mask_kinds[idx])
+        writers = residual_writers(block, stack.hidden_size)
+        adapter = BlockAdapter(block, stack.mask_kinds[idx], writers, stack.hidden_size)
+        _check_starts_as_identity(adapter, stack)
+        return adapter
 
     return make
+
+
+def _check_starts_as_identity(adapter: BlockAdapter, stack: Any) -> None:
+    """A fresh `residual_block` must pass its input through unchanged (every residual write scaled to zero); a layer
+    that writes into the residual stream some other way cannot host one."""
+    hidden = _probe((1, 4, stack.hidden_size), stack.dtype, stack.device) * 2 - 1
+    with torch.no_grad():
+        out = adapter(hidden, stack)
+    if len(adapter.writers) < 2 or not torch.allclose(out.float(), hidden.float(), atol=1e-5):
+        raise ValueError(
+            f"A 'residual_block' adapter needs a layer whose attention and MLP each write into the residual stream "
+            f"through one projection; {type(adapter.block).__name__} does not (found {adapter.writers}). Use the "
+            "'block' or 'postnorm' adapter for this model."
+        )
 
 
 def needs_context(adapter: nn.Module | None) -> bool:
@@ -393,17 +505,21 @@ class ExitHeads(nn.Module):
         self,
         exit_layers: list[int],
         hidden_size: int,
-        adapter: str,
+        adapter: str | dict[int, str],
         rank: int,
         blocks: Callable[..., BlockAdapter] | None = None,
     ) -> None:
+        """`adapter`: one kind for every exit, or the kind of each exit ({layer: kind})."""
         super().__init__()
         self.exit_layers = list(exit_layers)
+        self.kinds = {e: adapter if isinstance(adapter, str) else adapter[e] for e in self.exit_layers}
 
         def block(e: int) -> Callable[..., BlockAdapter] | None:
             return None if blocks is None else lambda **kw: blocks(e, **kw)
 
-        self.adapters = nn.ModuleDict({str(e): make_adapter(adapter, hidden_size, rank, block(e)) for e in exit_layers})
+        self.adapters = nn.ModuleDict(
+            {str(e): make_adapter(self.kinds[e], hidden_size, rank, block(e)) for e in exit_layers}
+        )
         self.gates = nn.ModuleDict()
 
     def adapter(self, layer: int) -> nn.Module:

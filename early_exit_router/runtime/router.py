@@ -130,7 +130,8 @@ class EarlyExitRouter:
         exit_layers = config.resolved_exit_layers(stack.num_layers)
         # Fresh heads are the logit lens, whatever a reused config says.
         config = config.replace(exit_layers=exit_layers, heads_trained=False)
-        heads = ExitHeads(exit_layers, stack.hidden_size, config.adapter, config.adapter_rank, block_source(stack))
+        kinds = {e: config.adapter_for(e) for e in exit_layers}
+        heads = ExitHeads(exit_layers, stack.hidden_size, kinds, config.adapter_rank, block_source(stack))
         heads.to(device=stack.device, dtype=stack.dtype).eval()
         name = name_or_path or getattr(model.config, "_name_or_path", "") or type(model).__name__
         router = cls(model, tokenizer, config, heads, stack, name)
@@ -181,6 +182,7 @@ class EarlyExitRouter:
         base_config = config or saved.config
         fixed = {"exit_layers": saved.exit_layers, "adapter": saved.config.adapter}
         fixed["adapter_rank"] = saved.config.adapter_rank
+        fixed["exit_adapters"] = saved.config.exit_adapters
         for key, value in fixed.items():
             if overrides.get(key, value) != value or getattr(base_config, key) != value:
                 raise ValueError(
@@ -190,9 +192,8 @@ class EarlyExitRouter:
         config = base_config.replace(**overrides) if overrides else base_config
         stack = stack_for(model)
         saved.identity.check_matches(_identity(stack, name))
-        heads = ExitHeads(
-            saved.exit_layers, stack.hidden_size, config.adapter, config.adapter_rank, block_source(stack)
-        )
+        kinds = {e: config.adapter_for(e) for e in saved.exit_layers}
+        heads = ExitHeads(saved.exit_layers, stack.hidden_size, kinds, config.adapter_rank, block_source(stack))
         if saved.has_gates:  # the saved weights say which features the gates were trained with
             heads.add_gates(
                 stack.hidden_size,
@@ -316,9 +317,15 @@ class EarlyExitRouter:
         trained = "trained" if self.config.heads_trained else "UNTRAINED (logit lens)"
         return (
             f"{self.name_or_path}: {self._stack.num_layers} layers, exits at {self.exit_layers} "
-            f"({self.config.adapter} adapters, {trained}); added parameters {self.num_added_parameters():,} "
+            f"({self._adapter_summary()} adapters, {trained}); added parameters {self.num_added_parameters():,} "
             f"({self.added_parameter_share():.2%} of the base model)"
         )
+
+    def _adapter_summary(self) -> str:
+        kinds = self.heads.kinds
+        if len(set(kinds.values())) <= 1:
+            return self.config.adapter
+        return ", ".join(f"L{e} {kind}" for e, kind in kinds.items())
 
     # ------------------------------------------------------------------------------------------------ generate
     def encode(self, prompt: str, chat: bool = False) -> torch.LongTensor:
@@ -436,8 +443,10 @@ class EarlyExitRouter:
             if sampling:
                 return self._run_rows_alone(input_ids, attention_mask, request, selector, config, pad)
             config = config.replace(batch_design="synchronous")
-        if not self.batch_synchronous(config):
+        batch_config = self.batch_config(config)
+        if batch_config is None:
             return self._run_rows_alone(input_ids, attention_mask, request, selector, config, pad)
+        config = batch_config
         costs = self.costs(config=config) if config.policy == "cost" else None
         engine = BatchEngine(self._stack, self.heads, Router(config, self._stack.vocab_size), config, costs,
                              self.ngram_store())  # fmt: skip
@@ -451,11 +460,22 @@ class EarlyExitRouter:
             )
         return GenerationOutput(sequences, combined_stats(rows), None, cache, depths, rows)
 
-    def batch_synchronous(self, config: RouterConfig | None = None) -> bool:
-        """Whether batches under `config` run in the batch-synchronous engine. Not with block adapters at the
-        consulted exits: each sequence keeps a block KV cache of its own, so rows then run one after another."""
+    def batch_config(self, config: RouterConfig | None = None) -> RouterConfig | None:
+        """The config a batch runs under, or None when its rows must run one after another.
+
+        Block adapters keep a KV cache of their own per sequence, which batches do not carry: a batch consults the
+        other exits (verify mode stays exact whichever exits draft), and only when every consulted exit has a
+        block do the rows run alone."""
         config = config or self.config
-        return not any(needs_context(self.heads.adapter(e)) for e in config.consulted_exit_layers())
+        consulted = config.consulted_exit_layers()
+        plain = [e for e in consulted if not needs_context(self.heads.adapter(e))]
+        if len(plain) == len(consulted):
+            return config
+        return config.replace(active_exit_layers=plain) if plain else None
+
+    def batch_synchronous(self, config: RouterConfig | None = None) -> bool:
+        """Whether batches under `config` run in the batch engines rather than row by row (`batch_config`)."""
+        return self.batch_config(config) is not None
 
     def _run_rows_alone(
         self,

@@ -7,9 +7,10 @@ dtype, so any engine that serves the base model also loads the draft.
 
 The exit's adapter must fold into stock modules exactly: the logit lens (`identity`) needs nothing, the
 `postnorm` adapter `M` becomes the LM head `lm_head.weight @ M` (the head is then untied from the embeddings), and
-a `block` adapter is a decoder layer of the model's own class, so it becomes the draft's last layer (`E + 2` layers).
-Adapters before the final norm (`linear`, `lowrank`) cannot be folded through the normalisation, so they are
-refused rather than exported approximately.
+a `block` adapter is a decoder layer of the model's own class, so it becomes the draft's last layer (`E + 2` layers),
+and a `residual_block` is both: its per-channel scales fold into the layer's residual projections and its post-norm
+map into the LM head. Adapters before the final norm (`linear`, `lowrank`) cannot be folded through the
+normalisation, so they are refused rather than exported approximately.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Any
 
 import torch
 
-FOLDABLE_ADAPTERS = ("identity", "postnorm", "block")
+from early_exit_router.runtime.heads import BLOCK_KINDS
+
+FOLDABLE_ADAPTERS = ("identity", "postnorm", "block", "residual_block")
 
 
 @dataclass
@@ -62,7 +65,7 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
             "export-draft writes a dense HF checkpoint and the base model has quantized weights: export from the "
             "unquantized model (the heads load onto it unchanged), then quantize the draft model if you wish."
         )
-    adapter_kind = router.config.adapter
+    adapter_kind = router.heads.kinds[exit_layer]
     if adapter_kind not in FOLDABLE_ADAPTERS:
         raise ValueError(
             f"The {adapter_kind!r} adapter sits before the final norm and cannot be folded into a standard "
@@ -70,7 +73,7 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
             f"--adapter identity); adapters that fold: {', '.join(FOLDABLE_ADAPTERS)}."
         )
     model, stack, spec = router.model, router._stack, router._stack.spec
-    block = adapter_kind == "block"
+    block = adapter_kind in BLOCK_KINDS
     keep = exit_layer + 1
     config = copy.deepcopy(model.config)
     base_layers = config.num_hidden_layers
@@ -82,7 +85,9 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
         if isinstance(value, list) and len(value) == base_layers:
             setattr(config, name, value[:keep])
     config.num_hidden_layers = keep
-    folded = adapter_kind == "postnorm"
+    adapter = router.heads.adapter(exit_layer)
+    post = adapter if adapter_kind == "postnorm" else getattr(adapter, "post", None)
+    folded = post is not None
     if folded:
         config.tie_word_embeddings = False
 
@@ -94,10 +99,11 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
         state[key] = tensor
     if block:
         prefix = f"{layer_prefix}{exit_layer + 1}."
-        for key, tensor in router.heads.adapter(exit_layer).block.state_dict().items():
+        block_state = adapter.folded_block_state() if adapter.writers else adapter.block.state_dict()
+        for key, tensor in block_state.items():
             state[prefix + key] = tensor
     if folded:
-        matrix = router.heads.adapter(exit_layer).folded_matrix()
+        matrix = post.folded_matrix()
         with torch.no_grad():  # (vocab, hidden) @ (hidden, hidden): lm_head(M x) == (W M) x
             state[f"{spec.lm_head}.weight"] = (stack.lm_head.weight.float() @ matrix.float()).to(stack.dtype)
 

@@ -291,7 +291,8 @@ class Scheduler:
         key = (job.mode, per_row(self.base_config, job.mode, sampling))  # verify mode: per-row and synchronous batches
         group = self._groups.get(key)
         if group is None:
-            cfg, router = self.base_config, self.router
+            router = self.router
+            cfg = router.batch_config(self.base_config)  # block exits sit out of batches
             costs = router.costs(config=cfg) if cfg.policy == "cost" else None
             batch = new_batch(router._stack, router.heads, Router(cfg, router._stack.vocab_size), cfg, job.mode,
                               router.pad_token_id(self._eos), sampling, costs, router.ngram_store())  # fmt: skip
