@@ -802,7 +802,7 @@ def cmd_export_draft(args: argparse.Namespace) -> int:
     result = export_draft(router, args.exit_layer, args.out)
     print(
         f"wrote {result.path}: {result.num_layers} of {result.base_layers} layers, {result.parameters:,} parameters "
-        f"({result.bytes / 2**20:.0f} MiB in {result.dtype}), {result.adapter} adapter folded into the LM head"
+        f"({result.bytes / 2**20:.0f} MiB in {result.dtype}), {result.adapter} adapter folded in"
     )
     snippets = result.serving_snippets()
     print(f"vLLM:   {snippets['vllm']}  # speculative_config, beside the base model\nSGLang: {snippets['sglang']}")

@@ -60,6 +60,8 @@ def test_mixed_adapter_kinds_save_load_and_refuse_another_layout(tmp_path):
     fresh = EarlyExitRouter._from_saved(tiny_llama(0), None, saved, None, str(tmp_path / "base"))
     assert fresh.heads.kinds == {1: "postnorm", 3: "residual_block"}
     assert "L3 residual_block" in fresh.describe()
+    same = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], exit_adapters={1: "block", 3: "block"})
+    assert "(block adapters" in same.describe()
     out = fresh.generate(prompt(1), max_new_tokens=16, output_logits=True)
     assert torch.equal(out.sequences, expected.sequences)
     with pytest.raises(ValueError, match="exit_adapters"):

@@ -323,9 +323,9 @@ class EarlyExitRouter:
 
     def _adapter_summary(self) -> str:
         kinds = self.heads.kinds
-        if len(set(kinds.values())) <= 1:
-            return self.config.adapter
-        return ", ".join(f"L{e} {kind}" for e, kind in kinds.items())
+        if len(set(kinds.values())) == 1:
+            return next(iter(kinds.values()))
+        return ", ".join(f"L{e} {kind}" for e, kind in kinds.items()) or self.config.adapter
 
     # ------------------------------------------------------------------------------------------------ generate
     def encode(self, prompt: str, chat: bool = False) -> torch.LongTensor:
