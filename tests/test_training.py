@@ -377,3 +377,31 @@ def test_cli_warm_starts_one_exit_from_saved_heads_and_reuses_saved_hidden_state
         assert torch.equal(trained.tensors[f"adapters.3.{key}"], value), key
     assert main(args[:3] + ["--out", str(tmp_path / "x"), "--exit-layers", "1,3", "--train-exits", "1"]) == 2
     assert "--init-from" in capsys.readouterr().err
+
+
+def test_gates_fit_on_held_out_chunks_the_adapters_never_saw(monkeypatch):
+    """A head is right more often on its own training text, so a gate fit there trusts it too much: `distill_router`
+    fits the gates on part of the held-out chunks and scores them on the rest."""
+    from early_exit_router.tools import training
+
+    seen = {}
+    real_heads, real_gates = training.train_heads, training.train_gates
+
+    def spy_heads(router, cache, cfg, **kw):
+        seen["adapters"] = cache
+        return real_heads(router, cache, cfg, **kw)
+
+    def spy_gates(router, fit, scored, cfg, **kw):
+        seen["gates"], seen["scored"] = fit, scored
+        return real_gates(router, fit, scored, cfg, **kw)
+
+    monkeypatch.setattr(training, "train_heads", spy_heads)
+    monkeypatch.setattr(training, "train_gates", spy_gates)
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], draft_vocab_size=0)
+    cfg = TrainingConfig(max_steps=2, batch_tokens=64, chunk_len=32, holdout_share=0.3, gate_steps=5)
+    result = training.distill_router(router, corpus(12, 64), cfg, target_agreement=None, progress=False)
+    # Each 32-token chunk of random text is unique: a chunk's token sequence names it.
+    chunks = {k: {tuple(c) for c in seen[k].next_token.view(-1, 32).tolist()} for k in ("adapters", "gates", "scored")}
+    assert chunks["gates"] and chunks["scored"] and result["holdout_positions"] == 32 * len(chunks["scored"])
+    assert not chunks["gates"] & chunks["adapters"] and not chunks["scored"] & chunks["adapters"]
+    assert not chunks["gates"] & chunks["scored"]
