@@ -519,9 +519,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     )
     warm = []
     if args.init_from:
-        source = EarlyExitRouter.from_pretrained(args.init_from)
-        warm = warm_start(router, source.heads, router.exit_layers)
-        del source
+        warm = warm_start(router, router.load_saved_heads(args.init_from), router.exit_layers)
     elif args.train_exits is not None:
         raise ValueError("--train-exits leaves the other exits untrained unless --init-from loads them: add it.")
     start = time.perf_counter()

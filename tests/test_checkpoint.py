@@ -66,6 +66,14 @@ def test_mixed_adapter_kinds_save_load_and_refuse_another_layout(tmp_path):
     assert torch.equal(out.sequences, expected.sequences)
     with pytest.raises(ValueError, match="exit_adapters"):
         EarlyExitRouter._from_saved(tiny_llama(0), None, saved, None, "x", exit_adapters={3: "block"})
+    # A warm start reads saved heads onto a router's own base model, kinds included, without attaching them.
+    other = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    loaded = other.load_saved_heads(tmp_path / "router")
+    assert loaded.kinds == {1: "postnorm", 3: "residual_block"} and other.heads is not loaded
+    for key, value in router.heads.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    with pytest.raises(ValueError, match="holds no saved exit heads"):
+        other.load_saved_heads(tmp_path / "base")
 
 
 def test_from_pretrained_loads_a_router_folder_with_its_base_model(tmp_path):

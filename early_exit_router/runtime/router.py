@@ -161,15 +161,8 @@ class EarlyExitRouter:
         dense.
         """
         dtype = _parse_dtype(dtype)
-        source = str(name_or_path)
-        saved = None
-        if is_router_dir(source):
-            saved = load_router(source)
-            source = saved.identity.name_or_path
-        else:
-            alias = resolve_alias(source)
-            shipped = shipped_checkpoint(alias) if alias is not None else None
-            saved = load_router(shipped) if shipped is not None else None
+        saved = _saved_router(str(name_or_path))
+        source = saved.identity.name_or_path if is_router_dir(str(name_or_path)) else str(name_or_path)
         model, tokenizer, name = load_base_model(source, dtype, device, quantize)
         if saved is None or fresh_heads:
             return cls.from_model(model, tokenizer, config, name_or_path=name, **overrides)
@@ -191,40 +184,22 @@ class EarlyExitRouter:
                 )
         config = base_config.replace(**overrides) if overrides else base_config
         stack = stack_for(model)
-        saved.identity.check_matches(_identity(stack, name))
-        kinds = {e: config.adapter_for(e) for e in saved.exit_layers}
-        heads = ExitHeads(saved.exit_layers, stack.hidden_size, kinds, config.adapter_rank, block_source(stack))
-        if saved.has_gates:  # the saved weights say which features the gates were trained with
-            heads.add_gates(
-                stack.hidden_size,
-                context=any(k.endswith(".context.weight") for k in saved.tensors),
-                head=any(k.endswith(".head.weight") for k in saved.tensors),
-            )
-        if DRAFT_RANKING in saved.tensors:
-            try:
-                heads.set_draft_token_ranking(saved.tensors[DRAFT_RANKING], stack.vocab_size)
-            except ValueError as exc:
-                raise ValueError(
-                    f"The saved heads' draft token ranking is broken: {exc} Re-save or retrain them."
-                ) from None
-        expected = heads.state_dict()
-        wrong = {
-            k: (tuple(v.shape), tuple(expected[k].shape))
-            for k, v in saved.tensors.items()
-            if k in expected and v.shape != expected[k].shape
-        }
-        if wrong:
-            raise ValueError(
-                f"Saved head tensors have the wrong shapes (saved, expected): {wrong}. The heads file does not belong "
-                "to this config or base model: re-save or retrain the heads."
-            )
-        missing, unexpected = heads.load_state_dict(saved.tensors, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"Saved heads do not fit their config: missing {missing}, unexpected {unexpected}.")
-        heads.to(device=stack.device, dtype=stack.dtype).eval()
+        heads = _saved_heads(saved, stack, config, name)
         router = cls(model, tokenizer, config, heads, stack, name)
         router._patch()
         return router
+
+    def load_saved_heads(self, name_or_path: str | Path) -> ExitHeads:
+        """The trained heads saved at `name_or_path` (a `save_pretrained` folder, or an alias with shipped heads),
+        built on this router's base model without attaching them: what a warm start trains from. Their base model
+        must be this one; no second copy of it is loaded."""
+        saved = _saved_router(str(name_or_path))
+        if saved is None:
+            raise ValueError(
+                f"{str(name_or_path)!r} holds no saved exit heads: pass a folder written by save_pretrained "
+                "(or train-heads), or an alias with shipped heads."
+            )
+        return _saved_heads(saved, self._stack, saved.config, self.name_or_path)
 
     # ------------------------------------------------------------------------------------------------ patching
     def _patch(self) -> None:
@@ -718,6 +693,53 @@ class EarlyExitRouter:
             identity=_identity(self._stack, self.name_or_path),
             library_version=__version__,
         )
+
+
+def _saved_router(name_or_path: str) -> Any:
+    """The saved router at `name_or_path`: a folder written by `save_pretrained`, or an alias's shipped heads;
+    None when there is none (a plain base model)."""
+    if is_router_dir(name_or_path):
+        return load_router(name_or_path)
+    alias = resolve_alias(name_or_path)
+    shipped = shipped_checkpoint(alias) if alias is not None else None
+    return load_router(shipped) if shipped is not None else None
+
+
+def _saved_heads(saved: Any, stack: LayerStack, config: RouterConfig, name: str) -> ExitHeads:
+    """`saved`'s trained heads (adapters, gates, draft ranking) built on `stack`'s base model, which must be the
+    one they were trained for; on its device and in its dtype."""
+    saved.identity.check_matches(_identity(stack, name))
+    kinds = {e: config.adapter_for(e) for e in saved.exit_layers}
+    heads = ExitHeads(saved.exit_layers, stack.hidden_size, kinds, config.adapter_rank, block_source(stack))
+    if saved.has_gates:  # the saved weights say which features the gates were trained with
+        heads.add_gates(
+            stack.hidden_size,
+            context=any(k.endswith(".context.weight") for k in saved.tensors),
+            head=any(k.endswith(".head.weight") for k in saved.tensors),
+        )
+    if DRAFT_RANKING in saved.tensors:
+        try:
+            heads.set_draft_token_ranking(saved.tensors[DRAFT_RANKING], stack.vocab_size)
+        except ValueError as exc:
+            raise ValueError(
+                f"The saved heads' draft token ranking is broken: {exc} Re-save or retrain them."
+            ) from None
+    expected = heads.state_dict()
+    wrong = {
+        k: (tuple(v.shape), tuple(expected[k].shape))
+        for k, v in saved.tensors.items()
+        if k in expected and v.shape != expected[k].shape
+    }
+    if wrong:
+        raise ValueError(
+            f"Saved head tensors have the wrong shapes (saved, expected): {wrong}. The heads file does not belong "
+            "to this config or base model: re-save or retrain the heads."
+        )
+    missing, unexpected = heads.load_state_dict(saved.tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"Saved heads do not fit their config: missing {missing}, unexpected {unexpected}.")
+    heads.to(device=stack.device, dtype=stack.dtype).eval()
+    return heads
 
 
 def _identity(stack: LayerStack, name: str) -> BaseModelIdentity:
