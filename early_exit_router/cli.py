@@ -194,6 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="A file for the corpus' hidden states: reused when it exists (the corpus is then not built again), "
         "written after the corpus pass when it does not.",
     )
+    train.add_argument(
+        "--gate-prompts",
+        type=int,
+        default=0,
+        help="Fit the gates also on the model's greedy and sampled answers to this many fresh prompts (built "
+        "offline, none of them a training prompt), text no adapter trains on (default: %(default)s).",
+    )
+    train.add_argument(
+        "--gate-hidden-states",
+        default=None,
+        help="A file for the gate text's hidden states: reused when it exists, written when it does not.",
+    )
     train.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
     train.add_argument("--quiet", action="store_true", help="No progress bars.")
     _add_router_options(train)
@@ -543,6 +555,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         if states is not None:
             cache = build_cache(router._stack, router.exit_layers, sequences, cfg.chunk_len, progress=not args.quiet)
             cache.save(states)
+    gate_cache, gate_manifest = _gate_cache(router, args, cfg.chunk_len if cache is None else cache.chunk_len)
     result = distill_router(
         router,
         sequences,
@@ -552,8 +565,11 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         cache=cache,
         warm=warm,
+        gate_cache=gate_cache,
     )
     result["corpus"] = manifest
+    if gate_manifest:
+        result["gate_corpus"] = gate_manifest
     result["wall_seconds"] = round(time.perf_counter() - start, 1)
     router.save_pretrained(args.out)
     (Path(args.out) / "training_report.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -564,6 +580,35 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     )
     print(f"saved to {args.out}; thresholds {result.get('thresholds')}; {result['wall_seconds']} s in all")
     return 0
+
+
+def _gate_cache(router: Any, args: argparse.Namespace, chunk_len: int) -> tuple[Any, dict[str, Any]]:
+    """train-heads' gate-only text (`--gate-prompts`) as hidden states, read from `--gate-hidden-states` when that
+    file exists; (None, {}) without it."""
+    from early_exit_router.tools.corpus import (
+        CALIBRATION_PROMPTS,
+        DEV_PROMPTS,
+        HELDOUT_PROMPTS,
+        generated_prompts,
+        load_prompts,
+    )
+    from early_exit_router.tools.training import HiddenStateCache, build_cache, gate_sequences
+
+    states = Path(args.gate_hidden_states) if args.gate_hidden_states else None
+    if states is not None and states.exists():
+        return HiddenStateCache.load(states, router.exit_layers), {"hidden_states": str(states), "note": "reused"}
+    if args.gate_prompts <= 0:
+        return None, {}
+    # Never the training prompts, nor those measured or tuned on.
+    exclude = load_prompts(args.prompts) + generated_prompts(args.generated_prompts, args.seed)
+    exclude += [p for name in (DEV_PROMPTS, CALIBRATION_PROMPTS, HELDOUT_PROMPTS) for p in load_prompts(shipped=name)]
+    sequences, manifest = gate_sequences(
+        router, args.gate_prompts, args.self_gen_tokens or 96, args.seed, exclude, progress=not args.quiet
+    )
+    cache = build_cache(router._stack, router.exit_layers, sequences, chunk_len, progress=not args.quiet)
+    if states is not None:
+        cache.save(states)
+    return cache, manifest
 
 
 def cmd_eval_heads(args: argparse.Namespace) -> int:
@@ -701,6 +746,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         f"\nAt the prior acceptance {router.config.acceptance_prior:.2f}, a cycle with an n-gram proposal runs: "
         f"{chosen.kind}" + (f", {chosen.max_draft} drafts" if chosen.max_draft else "")
     )
+    rates = ", ".join(f"L{e} {policy.break_even_exit_rate(i):.2f}" for i, e in enumerate(exits))
+    print(f"Exit mode asks an exit while the share of tokens asked that leave there is at least: {rates}")
     return 0
 
 

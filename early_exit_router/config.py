@@ -51,8 +51,9 @@ class RouterConfig:
         metadata={
             "help": "'cost': in verify mode, each draft cycle drafts from the tier (an exit or the n-gram tier) with "
             "the most expected tokens per millisecond under the measured cost model and online acceptance "
-            "estimates, and decodes plainly (no head, no gate) when no tier beats plain decoding. 'fixed': every "
-            "token runs the threshold cascade at every exit (exit mode always uses it)."
+            "estimates, and decodes plainly (no head, no gate) when no tier beats plain decoding; in exit mode, an "
+            "exit is asked only while its estimated exit rate times what an exit saves covers what asking costs. "
+            "'fixed': every token runs the threshold cascade at every exit."
         },
     )
     batch_design: str = field(
@@ -76,7 +77,8 @@ class RouterConfig:
         default=8,
         metadata={
             "help": "Cost policy: every this-many plain steps, score each exit's draft head on the hidden states "
-            "the step computed anyway, so acceptance estimates stay current for tiers not in use. 0 never probes."
+            "the step computed anyway, so acceptance estimates stay current for tiers not in use (exit mode: ask "
+            "an exit that does not pay every this-many tokens). 0 never probes."
         },
     )
     acceptance_prior: float = field(

@@ -36,7 +36,10 @@ class GenerationStats:
     plain_share: float = 0.0  # cost policy: share of new tokens decoded plainly (no draft, no head, no gate)
     policy_cycles: dict[str, int] = field(default_factory=dict)  # cost policy: draft cycles per plan kind
     probes: int = 0  # cost policy: plain steps that scored the exits' draft heads (shadow tokens)
-    acceptance: dict[str, float] = field(default_factory=dict)  # cost policy: final per-position acceptance estimates
+    # cost policy: final per-position acceptance estimates (exit mode: "exit rate Lx", the share of tokens asked there
+    # that left)
+    acceptance: dict[str, float] = field(default_factory=dict)
+    asks_skipped: dict[int, int] = field(default_factory=dict)  # exit mode, cost policy: exit layer -> tokens not asked
     mode: str = "exit"
     num_layers: int = 0
 
@@ -76,6 +79,16 @@ class GenerationStats:
                     "acceptance estimates: " + ", ".join(f"{k} {v:.2f}" for k, v in self.acceptance.items()),
                 ]
                 if self.policy_cycles
+                else []
+            )
+            + (
+                [
+                    "cost policy: tokens not asked at "
+                    + ", ".join(f"L{layer} {n}" for layer, n in self.asks_skipped.items())
+                    + " (asking did not pay); exit-rate estimates: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in self.acceptance.items() if k.startswith("exit rate"))
+                ]
+                if self.asks_skipped
                 else []
             )
         )

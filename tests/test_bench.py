@@ -188,3 +188,12 @@ def test_generate_output_reports_each_tokens_depth():
     assert sum(d != 5 for d in out.depths) / 10 == pytest.approx(out.stats.hit_rate)
     with router.disabled():
         assert router.generate(ids, max_new_tokens=4).depths == [5] * 4
+
+
+def test_cli_profile_prints_the_cost_table_and_each_exits_break_even(tiny_folder, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path / "cache"))
+    assert main(["profile", "--model", str(tiny_folder), "--exit-layers", "1,3"]) == 0
+    out = capsys.readouterr().out
+    assert "plain decoding step" in out and "What the cost policy chooses" in out
+    line = next(row for row in out.splitlines() if row.startswith("Exit mode asks an exit"))
+    assert "L1 " in line and "L3 " in line

@@ -118,6 +118,16 @@ def counting_hooks(router):
     return calls, handles
 
 
+def generate_counting(router, ids, max_new_tokens: int, mode: str):
+    """(output, forward-call counts of `counting_hooks`) of one generate call; the hooks are removed after it."""
+    calls, handles = counting_hooks(router)
+    try:
+        return router.generate(ids, max_new_tokens=max_new_tokens, mode=mode), calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def test_plain_fallback_is_token_identical_and_runs_no_head_and_no_gate():
     model = tiny_llama(0)
     ids = prompt(0)
@@ -127,12 +137,7 @@ def test_plain_fallback_is_token_identical_and_runs_no_head_and_no_gate():
     )
     router.heads.add_gates(32)
     router.cost_model = TINY["steep"]
-    calls, handles = counting_hooks(router)
-    try:
-        out = router.generate(ids, max_new_tokens=20, mode="verify")
-    finally:
-        for h in handles:
-            h.remove()
+    out, calls = generate_counting(router, ids, 20, "verify")
     assert torch.equal(out.sequences, ref)
     assert out.stats.plain_share == pytest.approx(19 / 20)  # every decode step; the prefill's token is not one
     assert out.stats.policy_cycles == {"plain": 19}
@@ -144,12 +149,7 @@ def test_probes_score_the_exits_at_a_bounded_rate():
     model = tiny_llama(0)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], probe_interval=4, acceptance_prior=0.2)
     router.cost_model = TINY["steep"]
-    calls, handles = counting_hooks(router)
-    try:
-        out = router.generate(prompt(0), max_new_tokens=21, mode="verify")
-    finally:
-        for h in handles:
-            h.remove()
+    out, calls = generate_counting(router, prompt(0), 21, "verify")
     assert out.stats.probes == 5  # plain steps 0, 4, 8, 12, 16 of 20
     assert calls["adapters"] == 2 * 5  # both exits' draft heads, on probe steps only
 
@@ -284,3 +284,46 @@ def test_an_exit_prior_below_break_even_keeps_the_exits_off_until_evidence():
     assert torch.equal(out.sequences, tiny_llama(0).generate(ids, max_new_tokens=3, do_sample=False))
     with pytest.raises(ValueError, match="exit_acceptance_prior"):
         router.call_config({"exit_acceptance_prior": 1.5})
+
+
+def test_an_exit_is_worth_asking_in_exit_mode_when_its_exit_rate_covers_the_asking():
+    """STEEP at an exit after layer 10 of 30: an exit saves 19 layers (19 ms) and a head row (6 ms), less the fill's
+    extra position in those layers (19 x 0.9 ms) and its checked head row (5 ms): 2.9 ms; asking costs 1 ms."""
+    policy = DraftPolicy(STEEP, [10, 20], [False, False])
+    assert policy.exit_saving_ms(0) == pytest.approx(2.9) and policy.consult_ms(0) == pytest.approx(1.0)
+    assert policy.worth_consulting(0, 0.35) and not policy.worth_consulting(0, 0.34)
+    assert policy.break_even_exit_rate(0) == pytest.approx(1.0 / 2.9)
+    unchecked = DraftPolicy(STEEP, [10, 20], [False, False], check_share=0.0)
+    assert unchecked.exit_saving_ms(0) == pytest.approx(7.9)  # no head row for the check
+    gated_block = DraftPolicy(STEEP, [10, 20], [True, False], has_block=[True, False])
+    assert gated_block.consult_ms(0) == pytest.approx(1.0 + STEEP.gate_ms + 1.0)  # and the block's layer
+
+
+def count_asks(probe_interval: int, costs: CostModel):
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(
+        model,
+        exit_layers=[1, 3],
+        ngram_tier=False,
+        probe_interval=probe_interval,
+        high_conf_threshold=0.0,
+        low_conf_threshold=0.0,
+    )
+    router.cost_model = costs
+    return (model, *generate_counting(router, prompt(0), 21, "exit"))
+
+
+def test_exit_mode_asks_no_exit_that_cannot_pay_and_probes_at_a_bounded_rate():
+    never_pays = CostModel.synthetic(6, [1.0] * 16, [6.0] * 16, draft_head_ms=1000.0)
+    model, out, calls = count_asks(0, never_pays)
+    assert calls["adapters"] == 0 and out.stats.exit_histogram == {5: 21}  # every token ran the full depth
+    assert out.stats.asks_skipped == {1: 20, 3: 20} and "tokens not asked at L1 20, L3 20" in out.stats.summary()
+    assert torch.equal(out.sequences, model.generate(prompt(0), max_new_tokens=21, do_sample=False))
+    # Probing every 4th skipped token: L1 is asked at steps 4, 8, ..., 20 (and, at threshold 0, every token asked
+    # leaves there); L3 sees the other 15 tokens and is asked on every 4th of them.
+    _, out, calls = count_asks(4, never_pays)
+    assert calls["adapters"] == 5 + 3 and out.stats.exit_histogram == {1: 5, 3: 3, 5: 13}  # and the prefill's token
+    assert out.stats.asks_skipped == {1: 20 - 5, 3: 15 - 3} and "exit rate L1" in out.stats.acceptance
+    # Where asking pays, every token is asked at the first exit (and leaves there at threshold 0).
+    _, out, calls = count_asks(4, tiny_costs()["flat"])
+    assert out.stats.exit_histogram.get(1, 0) >= 17 and calls["adapters"] >= 17

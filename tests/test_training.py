@@ -102,6 +102,14 @@ def test_the_hidden_state_cache_saves_and_loads_the_exits_asked_for(tmp_path):
     assert torch.equal(loaded.exits[3], cache.exits[3]) and torch.equal(loaded.next_token, cache.next_token)
     with pytest.raises(ValueError, match="do not cover exit layers \\[2\\]"):
         HiddenStateCache.load(tmp_path / "states.pt", [2, 3])
+    joined = HiddenStateCache.concat([cache, cache])
+    assert joined.num_chunks == 4 and torch.equal(joined.exits[1][64:], cache.exits[1])
+    with pytest.raises(ValueError, match="chunks of \\[16, 32\\]"):
+        HiddenStateCache.concat(
+            [cache, build_cache(router._stack, [1, 3], corpus(2, 32), chunk_len=16, progress=False)]
+        )
+    with pytest.raises(ValueError, match="less than one 256-token chunk"):
+        build_cache(router._stack, [1, 3], corpus(2, 32), chunk_len=256, progress=False)
 
 
 def test_cross_entropy_mixing_trains_and_changes_what_is_learned():
@@ -326,6 +334,17 @@ def test_generated_prompts_are_seeded_mixed_and_never_held_out_text():
         assert "Licensed under the Apache License" not in p["prompt"]
 
 
+def test_fresh_prompts_are_none_of_the_excluded_ones_and_never_repeat():
+    from early_exit_router.tools.corpus import fresh_prompts, generated_prompts
+
+    training = generated_prompts(100, seed=0)
+    fresh = fresh_prompts(60, seed=0, exclude=training)
+    texts = [p["prompt"] for p in fresh]
+    assert len(fresh) == 60 and len(set(texts)) == 60 and fresh == fresh_prompts(60, seed=0, exclude=training)
+    assert not set(texts) & {p["prompt"] for p in training}
+    assert len({p["id"] for p in fresh}) == 60
+
+
 def test_sampled_self_generation_is_seeded_and_differs_from_greedy():
     from early_exit_router.tools.corpus import self_generated
 
@@ -367,14 +386,22 @@ def test_cli_warm_starts_one_exit_from_saved_heads_and_reuses_saved_hidden_state
     ]
     args += ["--exit-layers", "1,3", "--exit-adapters", "1:residual_block", "--train-exits", "1", "--draft-vocab-size"]
     args += ["0", "--hidden-states", str(states), "--max-steps", "3", "--target-agreement", "0", "--quiet"]
-    assert main(args) == 0
+    gate_states = tmp_path / "gate_states.pt"  # gate-only text: the model's answers to 4 fresh prompts
+    gate_args = ["--gate-prompts", "4", "--gate-hidden-states", str(gate_states), "--self-gen-tokens", "40"]
+    assert main(args + gate_args) == 0
     report = json.loads((tmp_path / "out" / "training_report.json").read_text())
     assert report["training"]["steps"] == 3 and set(report["training"]["loss_last"]) == {"1"}
     assert "reused" in report["corpus"]["note"]
+    assert report["gate_corpus"]["prompts"] == 4 and gate_states.exists()
+    gate_text = len(HiddenStateCache.load(gate_states, [1, 3]))
+    # ...beside the training chunks: 4 chunks of 64 are too few to hold two out for the gates
+    assert report["gate_fit_positions"] == gate_text + 3 * 64
     trained = load_router(tmp_path / "out")
     assert trained.config.exit_adapters == {1: "residual_block"} and trained.has_gates
     for key, value in source.heads.adapter(3).state_dict().items():  # exit 3 was loaded, not trained
         assert torch.equal(trained.tensors[f"adapters.3.{key}"], value), key
+    assert main(args + gate_args) == 0  # the gate text's states are read back, not generated again
+    assert "reused" in json.loads((tmp_path / "out" / "training_report.json").read_text())["gate_corpus"]["note"]
     assert main(args[:3] + ["--out", str(tmp_path / "x"), "--exit-layers", "1,3", "--train-exits", "1"]) == 2
     assert "--init-from" in capsys.readouterr().err
 
@@ -405,3 +432,12 @@ def test_gates_fit_on_held_out_chunks_the_adapters_never_saw(monkeypatch):
     assert chunks["gates"] and chunks["scored"] and result["holdout_positions"] == 32 * len(chunks["scored"])
     assert not chunks["gates"] & chunks["adapters"] and not chunks["scored"] & chunks["adapters"]
     assert not chunks["gates"] & chunks["scored"]
+    # Text for the gates alone joins their share of the held-out chunks, and nothing else.
+    gate_text = build_cache(router._stack, [1, 3], corpus(3, 64, seed=9), chunk_len=32, progress=False)
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], draft_vocab_size=0)
+    result = training.distill_router(
+        router, corpus(12, 64), cfg, target_agreement=None, progress=False, gate_cache=gate_text
+    )
+    extra = {tuple(c) for c in gate_text.next_token.view(-1, 32).tolist()}
+    assert chunks["gates"] | extra == {tuple(c) for c in seen["gates"].next_token.view(-1, 32).tolist()}
+    assert result["gate_fit_positions"] == len(seen["gates"]) and not extra & chunks["scored"]

@@ -97,6 +97,8 @@ class SequenceState:
     shadow_ngram: tuple[TierKey, int] | None = None  # an unused n-gram proposal's key and first token
     plain_steps: int = 0
     probes: int = 0
+    unpaid_asks: dict[int, int] = field(default_factory=dict)  # exit mode, cost policy: exit index -> tokens where
+    # asking it did not pay (every `probe_interval`-th of them it was asked anyway)
     exited_seen: int = 0  # exit mode: exited tokens the deep layers have seen (checked or not)
     plan_counts: dict[str, int] = field(default_factory=dict)
     blocks: dict[int, BlockContext] = field(default_factory=dict)  # exit index -> its block adapter's context
@@ -158,6 +160,18 @@ class Engine:
     def _kind_priors(self) -> dict[str, float]:
         prior = self.config.exit_acceptance_prior
         return {} if prior is None else {"exit": prior}
+
+    def _probed(self, unpaid: int) -> int:
+        """Of `unpaid` tokens where asking an exit did not pay, those on which it was asked anyway."""
+        interval = self.config.probe_interval
+        return unpaid // interval if interval > 0 else 0
+
+    def _estimate_name(self, key: TierKey) -> str:
+        """A tracker key as the statistics name it: 'exit L4', 'ngram match 3', 'exit rate L16' (exit mode)."""
+        kind, index = key
+        if kind == "ngram":
+            return f"ngram match {index}"
+        return f"exit L{self.exits[index]}" if kind == "exit" else f"exit rate L{self.exits[index]}"
 
     def tier_layer(self, tier: int) -> int:
         """The histogram key of a draft tier: its exit layer, or NGRAM_LAYER for the n-gram tier."""
@@ -277,13 +291,27 @@ class Engine:
         chunk_start = q
         for i in range(len(self.exits) + 1):
             hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, q + 1)
-            if i < len(self.exits) and not deep and target in (None, i):
-                if self._try_exit(state, i, self.exits[i], hidden, q, target, request, selector):
+            if i < len(self.exits) and not deep and target in (None, i) and self._asks(state, i, target):
+                exited = self._try_exit(state, i, self.exits[i], hidden, q, target, request, selector)
+                state.tracker.observe(("ask", i), exited)
+                if exited:
                     return
 
         if target is None and not deep:
             router.start_block(state.routing, FULL_DEPTH)
         self._finish_deep(state, hidden, chunk_start, True, request, selector)
+
+    def _asks(self, state: SequenceState, i: int, target: int | None) -> bool:
+        """Exit mode: whether to ask exit `i` about this token. Under the cost policy only while asking pays
+        (`DraftPolicy.worth_consulting`, at the exit's estimated exit rate); a skipped exit is asked anyway every
+        `probe_interval` tokens, so that its estimate follows the text. A block's target is always asked."""
+        if self.policy is None or target is not None:
+            return True
+        if self.policy.worth_consulting(i, state.tracker.estimate(("ask", i))):
+            return True
+        state.unpaid_asks[i] = state.unpaid_asks.get(i, 0) + 1
+        interval = self.config.probe_interval
+        return interval > 0 and state.unpaid_asks[i] % interval == 0
 
     def _fill_segment(
         self,
@@ -844,10 +872,8 @@ class Engine:
             plain_share=state.plain_steps / new if new else 0.0,
             policy_cycles=dict(sorted(state.plan_counts.items())),
             probes=state.probes,
-            acceptance={
-                (f"exit L{self.exits[k[1]]}" if k[0] == "exit" else f"ngram match {k[1]}"): round(a, 4)
-                for k, a in sorted(state.tracker.estimates.items())
-            },
+            acceptance={self._estimate_name(k): round(a, 4) for k, a in sorted(state.tracker.estimates.items())},
+            asks_skipped={self.exits[i]: n - self._probed(n) for i, n in sorted(state.unpaid_asks.items())},
             mode=request.mode,
             num_layers=self.stack.num_layers,
         )

@@ -11,6 +11,12 @@ layer counts replaced by measured milliseconds):
   deep runs layers 0..e alone, then layers e+1.. over the d + 1 positions, then the head over d + 1 rows.
 - plain decoding: one token per plain step (every layer, one head row), and no head or gate at any exit.
 
+Exit mode, where exited tokens are final, asks an exit only while that pays (`worth_consulting`): asking costs the
+draft head and gate (and a block adapter's layer) on every token asked, and an exit saves the rest of that token's
+pass (the layers after the exit and a head row) less what the later fill pays for one more position. With the
+exit's estimated exit rate r per asking, it is asked while r x saving >= asking cost; a skipped exit is still asked
+every `probe_interval` tokens, so its estimate follows the text.
+
 The option with the best tokens per millisecond wins; drafting must beat plain decoding by `margin`, so that a
 near-tie decodes plainly. Acceptance is estimated online per tier (and per match length for the n-gram tier) from
 the deep pass's verdict on every draft, and from "shadow" checks: on plain steps the n-gram proposal that was not
@@ -27,7 +33,7 @@ from typing import Any
 
 from early_exit_router.runtime.costs import CostModel
 
-TierKey = tuple[str, int]  # ("exit", exit index) or ("ngram", match length)
+TierKey = tuple[str, int]  # ("exit", exit index), ("ngram", match length); exit mode: ("ask", exit index)
 MARGIN = 0.03  # drafting must beat plain decoding by this share, so that a near-tie decodes plainly
 
 
@@ -77,12 +83,14 @@ class DraftPolicy:
         uses_gate: list[bool],
         margin: float = MARGIN,
         has_block: list[bool] | None = None,
+        check_share: float = 1.0,
     ) -> None:
         self.costs = costs
         self.exit_layers = list(exit_layers)
         self.uses_gate = list(uses_gate)
         self.has_block = list(has_block) if has_block is not None else [False] * len(self.exit_layers)
         self.margin = margin
+        self.check_share = check_share  # exit mode: the share of exited tokens the fill checks (one head row each)
         self.plain_rate = 1.0 / costs.plain_step()
 
     @classmethod
@@ -92,7 +100,33 @@ class DraftPolicy:
 
         exits = config.consulted_exit_layers()
         gates = [config.use_gate and heads.gate(e) is not None for e in exits]
-        return cls(costs, exits, gates, has_block=[needs_context(heads.adapter(e)) for e in exits])
+        check = config.check_fraction if config.check_agreement else 0.0
+        return cls(costs, exits, gates, has_block=[needs_context(heads.adapter(e)) for e in exits], check_share=check)
+
+    def consult_ms(self, i: int) -> float:
+        """Asking exit `i` about one token: its draft head and gate, and a block adapter's layer."""
+        c = self.costs
+        return (
+            c.draft_head_ms + (c.gate_ms if self.uses_gate[i] else 0.0) + (c.layers(1, 1) if self.has_block[i] else 0.0)
+        )
+
+    def exit_saving_ms(self, i: int) -> float:
+        """What one token leaving at exit `i` saves in exit mode: the layers after the exit and the head row its own
+        pass would have run, less the fill's extra position in those layers and its checked head row."""
+        c = self.costs
+        rest = c.num_layers - self.exit_layers[i] - 1
+        fill = c.layers(rest, 2) - c.layers(rest, 1)
+        check = self.check_share * (c.head(2) - c.head(1))
+        return c.layers(rest, 1) + c.head(1) - fill - check
+
+    def break_even_exit_rate(self, i: int) -> float:
+        """Exit mode: the share of tokens asked that must leave at exit `i` for asking it to pay (inf: never)."""
+        saving = self.exit_saving_ms(i)
+        return self.consult_ms(i) / saving if saving > 0 else float("inf")
+
+    def worth_consulting(self, i: int, exit_rate: float) -> bool:
+        """Exit mode: whether asking exit `i` pays, at an estimated `exit_rate` of tokens asked that leave there."""
+        return exit_rate >= self.break_even_exit_rate(i)
 
     def ngram_cycle_ms(self, d: int) -> float:
         c = self.costs

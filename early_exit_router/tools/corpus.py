@@ -15,6 +15,7 @@ import json
 import random
 import re
 import sysconfig
+from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,20 @@ def generated_prompts(count: int, seed: int = 0) -> list[dict[str, Any]]:
     return out
 
 
+def fresh_prompts(count: int, seed: int, exclude: Iterable[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Up to `count` prompts from `generated_prompts(..., seed)` whose text is in none of `exclude` (and none twice):
+    text for fitting gates that no head was trained on. Fewer come back when the templates run out."""
+    seen = {p["prompt"] for p in exclude}
+    out: list[dict[str, Any]] = []
+    for record in generated_prompts(8 * count, seed):  # templates repeat: draw more than needed, keep the new ones
+        if record["prompt"] not in seen:
+            seen.add(record["prompt"])
+            out.append({**record, "id": f"fresh{len(out):05d}"})
+            if len(out) == count:
+                break
+    return out
+
+
 def _package_summaries() -> list[tuple[str, str]]:
     found = []
     for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata.get("Name") or "").lower()):
@@ -261,9 +276,13 @@ def self_generated(
     if sample:
         torch.manual_seed(seed)
     sequences: list[list[int]] = []
-    old_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # decoder-only batch generation needs left padding
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    old_side, old_pad = tokenizer.padding_side, tokenizer.pad_token
+    # Batches are padded (the attention mask hides the padding), so any token serves where there is no pad token.
+    pad = old_pad or tokenizer.eos_token or tokenizer.unk_token
+    if pad is None:
+        raise ValueError("Batched self-generation pads: give the tokenizer a pad, EOS or unknown token.")
+    tokenizer.padding_side, tokenizer.pad_token = "left", pad  # decoder-only batch generation pads on the left
+    pad_id = tokenizer.pad_token_id
     try:
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start : start + batch_size]
@@ -285,5 +304,5 @@ def self_generated(
                     ids.pop()
                 sequences.append(ids)
     finally:
-        tokenizer.padding_side = old_side
+        tokenizer.padding_side, tokenizer.pad_token = old_side, old_pad
     return sequences
