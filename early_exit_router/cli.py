@@ -596,7 +596,13 @@ def _gate_cache(router: Any, args: argparse.Namespace, chunk_len: int) -> tuple[
 
     states = Path(args.gate_hidden_states) if args.gate_hidden_states else None
     if states is not None and states.exists():
-        return HiddenStateCache.load(states, router.exit_layers), {"hidden_states": str(states), "note": "reused"}
+        cache = HiddenStateCache.load(states, router.exit_layers)
+        if cache.chunk_len != chunk_len:  # checked now, before the adapters train, not when the gates fit
+            raise ValueError(
+                f"The gate text's hidden states in {states} come in chunks of {cache.chunk_len} positions, the "
+                f"corpus's in chunks of {chunk_len}: remove the file, so that they are computed again."
+            )
+        return cache, {"hidden_states": str(states), "note": "reused"}
     if args.gate_prompts <= 0:
         return None, {}
     # Never the training prompts, nor those measured or tuned on.

@@ -52,8 +52,9 @@ class RouterConfig:
             "help": "'cost': in verify mode, each draft cycle drafts from the tier (an exit or the n-gram tier) with "
             "the most expected tokens per millisecond under the measured cost model and online acceptance "
             "estimates, and decodes plainly (no head, no gate) when no tier beats plain decoding; in exit mode, an "
-            "exit is asked only while its estimated exit rate times what an exit saves covers what asking costs. "
-            "'fixed': every token runs the threshold cascade at every exit."
+            "exit is asked only while its estimated exit rate times what an exit saves covers what asking costs "
+            "(so exit mode's text can differ between machines that measure different costs). 'fixed': every "
+            "token runs the threshold cascade at every exit."
         },
     )
     batch_design: str = field(

@@ -299,7 +299,7 @@ def test_an_exit_is_worth_asking_in_exit_mode_when_its_exit_rate_covers_the_aski
     assert gated_block.consult_ms(0) == pytest.approx(1.0 + STEEP.gate_ms + 1.0)  # and the block's layer
 
 
-def count_asks(probe_interval: int, costs: CostModel):
+def count_asks(probe_interval: int, costs: CostModel, **overrides):
     model = tiny_llama(0)
     router = EarlyExitRouter.from_model(
         model,
@@ -308,6 +308,7 @@ def count_asks(probe_interval: int, costs: CostModel):
         probe_interval=probe_interval,
         high_conf_threshold=0.0,
         low_conf_threshold=0.0,
+        **overrides,
     )
     router.cost_model = costs
     return (model, *generate_counting(router, prompt(0), 21, "exit"))
@@ -324,6 +325,9 @@ def test_exit_mode_asks_no_exit_that_cannot_pay_and_probes_at_a_bounded_rate():
     _, out, calls = count_asks(4, never_pays)
     assert calls["adapters"] == 5 + 3 and out.stats.exit_histogram == {1: 5, 3: 3, 5: 13}  # and the prefill's token
     assert out.stats.asks_skipped == {1: 20 - 5, 3: 15 - 3} and "exit rate L1" in out.stats.acceptance
+    # Blocks of tokens follow their first token's decision, which the per-token rule does not price: all asked.
+    _, out, calls = count_asks(0, never_pays, block_size=2)
+    assert out.stats.asks_skipped == {} and calls["adapters"] > 0
     # Where asking pays, every token is asked at the first exit (and leaves there at threshold 0).
     _, out, calls = count_asks(4, tiny_costs()["flat"])
     assert out.stats.exit_histogram.get(1, 0) >= 17 and calls["adapters"] >= 17

@@ -104,6 +104,8 @@ def test_the_hidden_state_cache_saves_and_loads_the_exits_asked_for(tmp_path):
         HiddenStateCache.load(tmp_path / "states.pt", [2, 3])
     joined = HiddenStateCache.concat([cache, cache])
     assert joined.num_chunks == 4 and torch.equal(joined.exits[1][64:], cache.exits[1])
+    with pytest.raises(ValueError, match="different exit layers"):
+        HiddenStateCache.concat([cache, HiddenStateCache.load(tmp_path / "states.pt", [3])])
     with pytest.raises(ValueError, match="chunks of \\[16, 32\\]"):
         HiddenStateCache.concat(
             [cache, build_cache(router._stack, [1, 3], corpus(2, 32), chunk_len=16, progress=False)]
@@ -343,6 +345,10 @@ def test_fresh_prompts_are_none_of_the_excluded_ones_and_never_repeat():
     assert len(fresh) == 60 and len(set(texts)) == 60 and fresh == fresh_prompts(60, seed=0, exclude=training)
     assert not set(texts) & {p["prompt"] for p in training}
     assert len({p["id"] for p in fresh}) == 60
+    assert "readme" not in {p["source"] for p in fresh}  # the training corpus holds the READMEs themselves
+    every = ("subjects", "code tasks", "stories", "package summaries", "readme", "code")
+    with pytest.raises(ValueError, match="No fresh prompt is left"):
+        fresh_prompts(5, seed=0, skip_sources=every)
 
 
 def test_sampled_self_generation_is_seeded_and_differs_from_greedy():

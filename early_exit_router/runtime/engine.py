@@ -293,7 +293,8 @@ class Engine:
             hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, q + 1)
             if i < len(self.exits) and not deep and target in (None, i) and self._asks(state, i, target):
                 exited = self._try_exit(state, i, self.exits[i], hidden, q, target, request, selector)
-                state.tracker.observe(("ask", i), exited)
+                if target is None:  # a block's later tokens follow its first one: nothing was decided here
+                    state.tracker.observe(("ask", i), exited)
                 if exited:
                     return
 
@@ -304,8 +305,10 @@ class Engine:
     def _asks(self, state: SequenceState, i: int, target: int | None) -> bool:
         """Exit mode: whether to ask exit `i` about this token. Under the cost policy only while asking pays
         (`DraftPolicy.worth_consulting`, at the exit's estimated exit rate); a skipped exit is asked anyway every
-        `probe_interval` tokens, so that its estimate follows the text. A block's target is always asked."""
-        if self.policy is None or target is not None:
+        `probe_interval` tokens, so that its estimate follows the text. A block's target is always asked, and
+        with blocks of several tokens (`block_size` > 1) every exit is: one decision there moves a whole block,
+        which the per-token saving does not price."""
+        if self.policy is None or target is not None or self.config.block_size > 1:
             return True
         if self.policy.worth_consulting(i, state.tracker.estimate(("ask", i))):
             return True

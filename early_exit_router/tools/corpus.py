@@ -194,42 +194,57 @@ def generated_prompts(count: int, seed: int = 0) -> list[dict[str, Any]]:
         kind = rng.random()
         if kind < 0.3:
             prompt = rng.choice(CHAT_TEMPLATES).format(s=rng.choice(SUBJECTS))
-            record = {"category": "dialogue", "kind": "chat", "prompt": prompt}
+            record = {"category": "dialogue", "kind": "chat", "prompt": prompt, "source": "subjects"}
         elif kind < 0.4:
             record = {
                 "category": "templated",
                 "kind": "chat",
                 "prompt": rng.choice(CODE_TEMPLATES).format(t=rng.choice(CODE_TASKS)),
+                "source": "code tasks",
             }
         elif kind < 0.5:
             a, b, c = rng.randint(2, 60), rng.randint(2, 9), rng.randint(2, 9)
             c = max(c, a * b // 10 + 1) * 10 if "change" in (t := rng.choice(STORY_TEMPLATES)) else c
-            record = {"category": "reasoning", "kind": "chat", "prompt": t.format(a=a, b=b, c=c)}
+            record = {"category": "reasoning", "kind": "chat", "prompt": t.format(a=a, b=b, c=c), "source": "stories"}
         elif kind < 0.67 and packages:
             name, summary = rng.choice(packages)
             prompt = rng.choice(PACKAGE_TEMPLATES).format(name=name, summary=summary)
-            record = {"category": "dialogue", "kind": "chat", "prompt": prompt}
+            record = {"category": "dialogue", "kind": "chat", "prompt": prompt, "source": "package summaries"}
         elif kind < 0.84 and paragraphs:
-            record = {"category": "templated", "kind": "text", "prompt": rng.choice(paragraphs)[:400]}
+            record = {
+                "category": "templated",
+                "kind": "text",
+                "prompt": rng.choice(paragraphs)[:400],
+                "source": "readme",
+            }
         elif code:
-            record = {"category": "templated", "kind": "text", "prompt": rng.choice(code)}
+            record = {"category": "templated", "kind": "text", "prompt": rng.choice(code), "source": "code"}
         else:
             continue
         out.append({"id": f"gen{n:05d}", **record})
     return out
 
 
-def fresh_prompts(count: int, seed: int, exclude: Iterable[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-    """Up to `count` prompts from `generated_prompts(..., seed)` whose text is in none of `exclude` (and none twice):
-    text for fitting gates that no head was trained on. Fewer come back when the templates run out."""
-    seen = {p["prompt"] for p in exclude}
+def fresh_prompts(
+    count: int, seed: int, exclude: Iterable[dict[str, Any]] = (), skip_sources: tuple[str, ...] = ("readme",)
+) -> list[dict[str, Any]]:
+    """Up to `count` prompts from `generated_prompts(..., seed)` whose text is in none of `exclude` (and none twice)
+    and whose source is not in `skip_sources`: text for fitting gates that no head was trained on. README paragraphs
+    are skipped by default: the training corpus holds package READMEs themselves. Fewer come back when the
+    templates run out; none at all is an error."""
+    excluded = list(exclude)
+    seen = {p["prompt"] for p in excluded}
     out: list[dict[str, Any]] = []
-    for record in generated_prompts(8 * count, seed):  # templates repeat: draw more than needed, keep the new ones
-        if record["prompt"] not in seen:
+    # The generator's output for a seed extends its shorter output, so the excluded training prompts come first:
+    # draw past them, and more than needed, as templates repeat.
+    for record in generated_prompts(len(excluded) + 8 * count, seed):
+        if record["prompt"] not in seen and record["source"] not in skip_sources:
             seen.add(record["prompt"])
             out.append({**record, "id": f"fresh{len(out):05d}"})
             if len(out) == count:
                 break
+    if not out:
+        raise ValueError(f"No fresh prompt is left after excluding {len(excluded)}: use another seed.")
     return out
 
 
@@ -281,9 +296,9 @@ def self_generated(
     pad = old_pad or tokenizer.eos_token or tokenizer.unk_token
     if pad is None:
         raise ValueError("Batched self-generation pads: give the tokenizer a pad, EOS or unknown token.")
-    tokenizer.padding_side, tokenizer.pad_token = "left", pad  # decoder-only batch generation pads on the left
-    pad_id = tokenizer.pad_token_id
     try:
+        tokenizer.padding_side, tokenizer.pad_token = "left", pad  # decoder-only batch generation pads on the left
+        pad_id = tokenizer.pad_token_id
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start : start + batch_size]
             texts = [
@@ -298,8 +313,8 @@ def self_generated(
             sampling = dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=0) if sample else dict(do_sample=False)
             out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling)
             for row, mask in zip(out, enc.attention_mask):
-                pad = int((mask == 0).sum())
-                ids = row[pad:].tolist()
+                padding = int((mask == 0).sum())
+                ids = row[padding:].tolist()
                 while ids and ids[-1] == pad_id:  # right padding after an early EOS
                     ids.pop()
                 sequences.append(ids)

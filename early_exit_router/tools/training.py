@@ -118,6 +118,9 @@ class HiddenStateCache:
     @classmethod
     def concat(cls, caches: list[HiddenStateCache]) -> HiddenStateCache:
         """The caches' positions one after the other; they must come in chunks of one length (or none)."""
+        layers = [sorted(c.exits) for c in caches]
+        if any(other != layers[0] for other in layers):
+            raise ValueError(f"Cannot join hidden states of different exit layers ({layers}): build them alike.")
         lens = sorted({c.chunk_len for c in caches})
         if len(lens) > 1:
             raise ValueError(f"Cannot join hidden states cut in chunks of {lens} positions: build them alike.")
