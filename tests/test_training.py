@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -146,6 +148,9 @@ def test_gates_train_and_switching_them_off_equals_having_none():
     assert set(quality) == {1, 3}
     assert all(0 <= q[k] <= 1 for q in quality.values() for k in ("accuracy", "auc", "saved_at_recall"))
     assert set(router.heads.gates) == {"1", "3"}
+    assert {q["fit_positions"] for q in quality.values()} == {len(train)}
+    capped = train_gates(router, train, holdout, dataclasses.replace(cfg, gate_max_positions=train.chunk_len + 1))
+    assert {q["fit_positions"] for q in capped.values()} == {train.chunk_len}  # the cap draws whole chunks
     router.config = router.config.replace(use_gate=False)
     off = router.generate(prompt(0), max_new_tokens=30)
     assert torch.equal(off.sequences, without_gates.sequences)

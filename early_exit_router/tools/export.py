@@ -99,8 +99,7 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
         state[key] = tensor
     if block:
         prefix = f"{layer_prefix}{exit_layer + 1}."
-        block_state = adapter.folded_block_state() if adapter.writers else adapter.block.state_dict()
-        for key, tensor in block_state.items():
+        for key, tensor in adapter.folded_block_state().items():  # a plain block has no scales to fold
             state[prefix + key] = tensor
     if folded:
         matrix = post.folded_matrix()

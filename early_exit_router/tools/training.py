@@ -464,7 +464,8 @@ def train_gates(
     Returns, per exit, held-out `accuracy` at 0.5, `auc`, `saved_at_recall` (the share of head calls the gate skips
     at a threshold that still lets 95% of the agreeing positions through; 0 for a head gate, which runs after the
     head), `confidence_auc`: the AUC of the head's own confidence, and the share of positions that can exit at 0.95
-    agreement when ranked by the gate (`exit_share_at_95`) and by the confidence (`confidence_exit_share_at_95`)."""
+    agreement when ranked by the gate (`exit_share_at_95`) and by the confidence (`confidence_exit_share_at_95`);
+    `fit_positions`: how many positions the gate fit on (at most `cfg.gate_max_positions`, whole chunks)."""
     g = torch.Generator().manual_seed(cfg.seed)
     max_positions = cfg.gate_max_positions
     if train.chunk_len:
@@ -521,6 +522,7 @@ def train_gates(
                 "confidence_auc": roc_auc(confidence, y_hold),
                 "exit_share_at_95": coverage_at(score, y_hold, 0.95),
                 "confidence_exit_share_at_95": coverage_at(confidence, y_hold, 0.95),
+                "fit_positions": len(train),
             }
         gate.to(device=router._stack.device, dtype=router._stack.dtype)
     return quality
@@ -739,6 +741,6 @@ def distill_router(
     result["holdout_quality"] = as_dicts(quality_table(signals))
     result["holdout_positions"] = len(holdout)  # what the report and the threshold were measured on
     if gates:
-        result["gate_fit_positions"] = min(len(gate_fit), cfg.gate_max_positions)
+        result["gate_fit_positions"] = next(iter(quality.values()))["fit_positions"]  # after the cap's draw
     result["total_seconds"] = round(time.perf_counter() - start, 1)
     return result
