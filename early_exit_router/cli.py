@@ -370,6 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     calib.add_argument("--delta", type=float, default=0.1, help="LTT risk level (default: %(default)s).")
     calib.add_argument("--objective", choices=["speed", "compute"], default="speed", help="Default: %(default)s.")
     calib.add_argument(
+        "--speed-tolerance",
+        type=float,
+        default=0.03,
+        help="Speed objective: speedups within this share of the fastest are a tie, which goes to the candidate "
+        "that exits most tokens (default: %(default)s).",
+    )
+    calib.add_argument(
         "--candidates", type=_float_list, default=None, metavar="T1,T2", help="Thresholds to try (default: 0.3-0.99)."
     )
     calib.add_argument("--max-new-tokens", type=int, default=64, help="New tokens per prompt (default: %(default)s).")
@@ -826,6 +833,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         method=args.method,
         delta=args.delta,
         objective=args.objective,
+        speed_tolerance=args.speed_tolerance,
         max_new_tokens=args.max_new_tokens,
     )
     router = EarlyExitRouter.from_pretrained(

@@ -10,7 +10,7 @@ import torch
 from early_exit_router import EarlyExitRouter
 from early_exit_router.cli import main
 from early_exit_router.tools.bench import CONTROL, ENGINE_CONTROL, BenchConfig, run_bench
-from early_exit_router.tools.calibrate import CalibrationConfig, QualityTarget, calibrate
+from early_exit_router.tools.calibrate import CalibrationConfig, Candidate, QualityTarget, calibrate, choose
 from early_exit_router.tools.trace import render_trace, trace_legend
 
 from .conftest import tiny_llama, tiny_tokenizer
@@ -110,6 +110,20 @@ def test_calibrate_with_an_unreachable_target_chooses_nothing_and_keeps_the_conf
     assert result.chosen_threshold is None and not result.heldout
     assert router.config.high_conf_threshold == 0.5
     assert "No candidate threshold meets the target" in result.table()
+
+
+def test_speedups_within_the_tolerance_tie_and_the_tie_goes_to_the_candidate_that_exits_most():
+    def candidate(threshold, speedup, hit_rate, compute):
+        return Candidate(threshold, 600, 6, 0.99, 1.0, speedup, compute, hit_rate, meets_target=True)
+
+    valid = [candidate(0.95, 1.25, 0.41, 1.69), candidate(0.9, 1.27, 0.42, 1.74), candidate(0.85, 1.25, 0.51, 1.83)]
+    target = QualityTarget(min_agreement=0.95)
+    assert choose(valid, CalibrationConfig(target)).threshold == 0.85  # 1.25 is within 3% of 1.27
+    assert choose(valid, CalibrationConfig(target, speed_tolerance=0.0)).threshold == 0.9  # strictly the fastest
+    assert choose(valid[:2] + [candidate(0.85, 1.2, 0.51, 1.83)], CalibrationConfig(target)).threshold == 0.9
+    assert choose(valid, CalibrationConfig(target, objective="compute")).threshold == 0.95
+    with pytest.raises(ValueError, match="speed_tolerance"):
+        CalibrationConfig(target, speed_tolerance=1.5)
 
 
 def test_trace_marks_depth_changes_in_plain_text_and_colours_for_terminals():

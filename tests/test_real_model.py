@@ -62,14 +62,16 @@ def test_never_exit_and_verify_match_hf_greedy_on_the_real_model(smol, mode):
     finally:
         smol.config = config
     assert torch.equal(out.sequences, ref)
-    assert_cache_matches_full_forward(smol.model, out.sequences, out.cache, atol=1e-4)
+    # Chunks of a few positions and the full sequence round differently in fp32: up to ~1e-4 on keys of ~16 by
+    # the middle layers here, so the bound is 3e-4 (a wrong position or a stale entry differs by whole units).
+    assert_cache_matches_full_forward(smol.model, out.sequences, out.cache, atol=3e-4)
 
 
 def test_exit_mode_fills_the_cache_exactly_on_the_real_model(smol):
     ids = smol.encode("Write the numbers from one to ten.", chat=True)
     out = smol.generate(ids, max_new_tokens=24, mode="exit")
     assert out.stats.hit_rate > 0  # counting from one to ten: the shipped heads exit on part of it
-    assert_cache_matches_full_forward(smol.model, out.sequences, out.cache, atol=1e-4)
+    assert_cache_matches_full_forward(smol.model, out.sequences, out.cache, atol=3e-4)  # fp32 rounding, as above
 
 
 def test_stop_strings_end_generation(smol):

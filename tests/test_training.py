@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -452,3 +453,47 @@ def test_gates_fit_on_held_out_chunks_the_adapters_never_saw(monkeypatch):
     extra = {tuple(c) for c in gate_text.next_token.view(-1, 32).tolist()}
     assert chunks["gates"] | extra == {tuple(c) for c in seen["gates"].next_token.view(-1, 32).tolist()}
     assert result["gate_fit_positions"] == len(seen["gates"]) and not extra & chunks["scored"]
+
+
+@pytest.mark.slow
+def test_the_shipped_heads_recipe_runs_end_to_end_as_one_command(tmp_path):
+    """`examples/train_shipped_heads.sh`, every step of it, on a tiny 26-layer model with trial-sized budgets."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from early_exit_router.runtime.checkpoint import load_router
+
+    base = tmp_path / "base"
+    tiny_llama(0, layers=26).save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    prompts = tmp_path / "prompts.jsonl"
+    words = [" ".join(f"w{5 + (i * 7 + j) % 80}" for j in range(6)) for i in range(4)]
+    records = [{"id": f"p{i}", "category": "c", "kind": "text", "prompt": w} for i, w in enumerate(words)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    script = Path(__file__).parent.parent / "examples" / "train_shipped_heads.sh"
+    env = {
+        **os.environ,
+        "EER_CLI": f"{sys.executable} -m early_exit_router.cli",
+        "EER_CALIBRATE_ARGS": f"--prompts {prompts} --max-new-tokens 4 --candidates 0.5,0.05 --method empirical "
+        "--target-agreement 0.01 --quiet",
+    }
+    trial = ["--model", str(base), "--max-tokens", "3000", "--generated-prompts", "2", "--self-gen-tokens", "24"]
+    trial += ["--max-steps", "2", "--gate-prompts", "24", "--draft-vocab-size", "0", "--no-docs", "--quiet"]
+    trial += ["--threads", "1"]
+    out = tmp_path / "heads"
+    done = subprocess.run(["bash", str(script), str(out), *trial], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = load_router(out)
+    assert saved.exit_layers == [4, 16, 24] and saved.config.exit_adapters == {16: "residual_block"}
+    assert saved.config.mode == "verify" and saved.config.exit_acceptance_prior == 0.3 and saved.has_gates
+    report = json.loads((out / "training_report.json").read_text())
+    assert report["training"]["steps"] == 0 and report["gate_corpus"]["prompts"] == 24  # step 3 fits gates only
+    assert json.loads((out / "calibration_report.json").read_text())["chosen_threshold"] is not None
+    block = load_router(Path(f"{out}.work") / "block")  # step 2 trained L16 alone, from step 1's heads
+    postnorm = load_router(Path(f"{out}.work") / "postnorm")
+    for key, value in postnorm.tensors.items():
+        if key.startswith(("adapters.4.", "adapters.24.")):
+            assert torch.equal(block.tensors[key], value), key
+    assert any(key.startswith("adapters.16.") and key not in postnorm.tensors for key in block.tensors)

@@ -90,6 +90,7 @@ class SequenceState:
     verify_passes: int = 0  # verify mode: deep passes that checked at least one draft
     accepted: int = 0  # verify mode: drafts accepted
     verifying: bool = False  # drafts now waiting are verified (always in verify mode; n-gram cycles in exit mode)
+    verify_from: int = 0  # exit mode: the first position whose draft is verified (those before it exited: final)
     tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     draft_key: dict[int, TierKey] = field(default_factory=dict)  # position -> acceptance key of its draft
     plan: Plan | None = None  # cost policy: the current draft cycle
@@ -282,7 +283,7 @@ class Engine:
             return
         if forced:
             state.forced += 1
-        deep = forced or self._ngram_waits(state, request)
+        deep = forced
         if deep:
             router.end_block(state.routing)
         target = None if deep else router.block_target(state.routing)
@@ -456,32 +457,21 @@ class Engine:
     def _propose_ngram(self, state: SequenceState, request: DecodeRequest) -> bool:
         """Zero-layer tier: if the last tokens occurred before, emit what followed them there as drafts.
 
-        In exit mode the drafts are verified like verify mode's (unless `ngram_unverified`), so the tier only
-        proposes when nothing else waits: the deep pass then checks n-gram drafts alone.
+        In exit mode the drafts are verified like verify mode's (unless `ngram_unverified`), also while exited
+        tokens wait: the next deep pass fills those (final, only checked) and verifies the drafts after them in
+        one pass, so exits do not crowd out the tier.
         """
         cfg = self.config
-        verified = request.mode == "verify" or not cfg.ngram_unverified
-        if verified and request.mode == "exit" and state.pending:
-            return False
         budget = min(cfg.ngram_draft, self._draft_budget(state, request))
         proposal, match_len = self._ngram_proposal(state, budget)
         if not proposal:
             return False
+        verified = request.mode == "verify" or not cfg.ngram_unverified
+        if verified and not state.verifying:  # exit mode: the tokens waiting now stay final; verify what follows
+            state.verify_from = len(state.tokens) - 1
         state.verifying = verified
         self._append_ngram(state, request, proposal, ("ngram", match_len))
         return True
-
-    def _ngram_waits(self, state: SequenceState, request: DecodeRequest) -> bool:
-        """Exit mode: whether the n-gram tier has a proposal it could not draft because exited tokens wait.
-
-        Its verified drafts go into a deep pass with nothing else waiting, so while exited tokens wait it stays
-        silent. A match then sends this token deep (the fill pass the waiting tokens need anyway), and the tier
-        drafts from the next step on: without this, more exits crowd out the tier that carries the speed."""
-        cfg = self.config
-        if request.mode != "exit" or cfg.ngram_unverified or not cfg.ngram_tier or not state.pending:
-            return False
-        budget = min(cfg.ngram_draft, request.max_new_tokens - state.new_tokens)  # the room after the fill
-        return bool(self._ngram_proposal(state, budget)[0])
 
     def _append_ngram(self, state: SequenceState, request: DecodeRequest, proposal: list[int], key: TierKey) -> int:
         """Emit `proposal` as n-gram drafts; their positions wait in front of segment 0 (`buffers[0]`, as
@@ -628,12 +618,21 @@ class Engine:
         state.fill_positions += m
         state.deep_len = chunk_start + m
         drafts = state.seq[0, chunk_start + 1 : chunk_start + 1 + n_drafts]  # (n_drafts,) exited tokens
+        # Exit mode: the drafts before `verify_from` exited and are final (a sample of them is checked); an n-gram
+        # cycle's drafts after them are verified. Verify mode verifies every draft.
+        final = min(n_drafts, max(0, state.verify_from - chunk_start)) if state.verifying else n_drafts
+        checked = self._sample_checks(state, final)  # offsets into the chunk's drafts
         if state.verifying:
-            logits = self._head(hidden)[0]  # (m, vocab)
-            return self._verify(state, logits, chunk_start, drafts, has_current, request, selector)
+            if checked:
+                index = torch.tensor(checked + list(range(final, m)), device=hidden.device)
+                logits = self._head(hidden.index_select(1, index))[0]  # (checked + verified rows, vocab)
+                matches = (logits[: len(checked)].argmax(dim=-1) == drafts[checked]).tolist()
+                self._count_agreement(state, chunk_start, matches, checked)
+                logits = logits[len(checked) :]
+            else:
+                logits = self._head(hidden[:, final:])[0]  # (m - final, vocab)
+            return self._verify(state, logits, chunk_start + final, drafts[final:], has_current, request, selector)
         _compat.trim_sliding(state.cache)
-        # Exited tokens are final here; the deep pass checks a sample of them (monitoring), one head row each.
-        checked = self._sample_checks(state, n_drafts)  # offsets into the chunk's drafts
         rows = checked + ([m - 1] if has_current else [])
         if rows:
             index = torch.tensor(rows, device=hidden.device)
@@ -743,7 +742,7 @@ class Engine:
         state.draft_probs.clear()
         state.draft_key.clear()
         _compat.trim_sliding(state.cache)
-        state.verifying = request.mode == "verify"  # exit mode: the n-gram cycle is over
+        state.verifying, state.verify_from = request.mode == "verify", 0  # exit mode: the n-gram cycle is over
         self._stream(state, request, self._verified_frontier(state, request))
         return rejected
 

@@ -7,7 +7,9 @@ Method (documented in README, "Calibration"):
    (the confidence rule alone: `high_conf_threshold = low_conf_threshold = t`), side by side
    (`bench.run_bench`), and score every output with the full model.
 3. Keep the candidates that meet the target on the calibration half, and pick the fastest of them (measured
-   speedup, or compute per token with `objective="compute"`).
+   speedup, or compute per token with `objective="compute"`). Speedups within `speed_tolerance` of the fastest
+   are a tie (a dozen prompts measure speed to a few percent), which goes to the candidate that exits most
+   tokens: the target already says how much quality is enough, and the hit rate, unlike the speed, repeats.
    - Agreement target (teacher-forced agreement >= 1 - epsilon), `method="ltt"`: a Learn-then-Test risk bound as
      in CALM. Each candidate's null hypothesis "its disagreement rate exceeds epsilon" gets the exact binomial
      p-value P(Binomial(n, epsilon) <= k) of its k disagreements in n tokens. Candidates are tested in a fixed
@@ -66,6 +68,7 @@ class CalibrationConfig:
     method: str = "ltt"  # or "empirical"
     delta: float = 0.1  # LTT: allowed probability that a chosen threshold misses the target
     objective: str = "speed"  # or "compute"
+    speed_tolerance: float = 0.03  # speed objective: speedups within this share of the fastest are a tie
     max_new_tokens: int = 64
     repeats: int = 1
 
@@ -76,6 +79,8 @@ class CalibrationConfig:
             raise ValueError(f"objective must be 'speed' or 'compute', got {self.objective!r}.")
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}.")
+        if not 0 <= self.speed_tolerance < 1:
+            raise ValueError(f"speed_tolerance must be in [0, 1), got {self.speed_tolerance}.")
         if not self.candidates or any(not 0 <= t <= 1 for t in self.candidates):
             raise ValueError(f"candidates must be thresholds in [0, 1], got {self.candidates}.")
 
@@ -163,6 +168,17 @@ def split_prompts(prompts: Sequence[dict[str, Any]]) -> tuple[list[dict], list[d
     return calibration, heldout
 
 
+def choose(valid: Sequence[Candidate], cfg: CalibrationConfig) -> Candidate:
+    """The candidate `calibrate` picks among those that meet the target: the least compute per token, or the
+    fastest, where speedups within `cfg.speed_tolerance` of the fastest tie and the tie goes to the highest hit
+    rate (then the higher speedup)."""
+    if cfg.objective == "compute":
+        return min(valid, key=lambda c: c.compute_ratio if c.compute_ratio is not None else math.inf)
+    fastest = max(c.speedup or 0.0 for c in valid)
+    tied = [c for c in valid if (c.speedup or 0.0) >= fastest * (1 - cfg.speed_tolerance)]
+    return max(tied, key=lambda c: (c.hit_rate, c.speedup or 0.0))
+
+
 def calibrate(
     router: Any,
     calibration_prompts: Sequence[dict[str, Any]],
@@ -220,10 +236,7 @@ def calibrate(
             "calibration prompts (a tighter bound), or use mode='verify' for output identical to the full model."
         )
         return result
-    if cfg.objective == "speed":
-        best = max(valid, key=lambda c: c.speedup or 0.0)
-    else:
-        best = min(valid, key=lambda c: c.compute_ratio if c.compute_ratio is not None else math.inf)
+    best = choose(valid, cfg)
     result.chosen_threshold = best.threshold
     router.config = router.config.replace(**threshold_overrides(best.threshold))
     if best.speedup is not None and best.speedup < 1:
