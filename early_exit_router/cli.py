@@ -370,11 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     calib.add_argument("--delta", type=float, default=0.1, help="LTT risk level (default: %(default)s).")
     calib.add_argument("--objective", choices=["speed", "compute"], default="speed", help="Default: %(default)s.")
     calib.add_argument(
-        "--speed-tolerance",
+        "--speed-tie-z",
         type=float,
-        default=0.03,
-        help="Speed objective: speedups within this share of the fastest are a tie, which goes to the candidate "
-        "that exits most tokens (default: %(default)s).",
+        default=2.0,
+        help="Speed objective: a candidate within this many standard errors of the fastest (paired over the "
+        "prompts) ties with it, and the tie goes to the candidate that exits most tokens; 0 takes the fastest "
+        "(default: %(default)s).",
     )
     calib.add_argument(
         "--candidates", type=_float_list, default=None, metavar="T1,T2", help="Thresholds to try (default: 0.3-0.99)."
@@ -833,7 +834,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         method=args.method,
         delta=args.delta,
         objective=args.objective,
-        speed_tolerance=args.speed_tolerance,
+        speed_tie_z=args.speed_tie_z,
         max_new_tokens=args.max_new_tokens,
     )
     router = EarlyExitRouter.from_pretrained(

@@ -38,7 +38,7 @@ corpus=(--max-tokens 260000 --self-gen-tokens 128 --generated-prompts 500 --samp
 "${cli[@]}" train-heads --out "$work/gates" --init-from "$work/block" "${exits[@]}" \
     --exit-adapters 16:residual_block --train-exits '' "${corpus[@]}" --gate-prompts 400 \
     --gate-hidden-states "$work/gate_states.pt" --seed 0 --threads 2 "$@"
-"${cli[@]}" calibrate --model "$work/gates" --out "$out" --target-agreement 0.95 \
+"${cli[@]}" calibrate --model "$work/gates" --out "$out" --target-agreement 0.95 --delta 0.05 \
     --candidates 0.95,0.9,0.85,0.8,0.75,0.7,0.65 --mode verify --exit-acceptance-prior 0.3 \
     ${calibrate_args[@]+"${calibrate_args[@]}"}
 cp "$work/gates/training_report.json" "$out/training_report.json"

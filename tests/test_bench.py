@@ -10,7 +10,14 @@ import torch
 from early_exit_router import EarlyExitRouter
 from early_exit_router.cli import main
 from early_exit_router.tools.bench import CONTROL, ENGINE_CONTROL, BenchConfig, run_bench
-from early_exit_router.tools.calibrate import CalibrationConfig, Candidate, QualityTarget, calibrate, choose
+from early_exit_router.tools.calibrate import (
+    CalibrationConfig,
+    Candidate,
+    QualityTarget,
+    calibrate,
+    choose,
+    speed_ties,
+)
 from early_exit_router.tools.trace import render_trace, trace_legend
 
 from .conftest import tiny_llama, tiny_tokenizer
@@ -112,18 +119,24 @@ def test_calibrate_with_an_unreachable_target_chooses_nothing_and_keeps_the_conf
     assert "No candidate threshold meets the target" in result.table()
 
 
-def test_speedups_within_the_tolerance_tie_and_the_tie_goes_to_the_candidate_that_exits_most():
-    def candidate(threshold, speedup, hit_rate, compute):
-        return Candidate(threshold, 600, 6, 0.99, 1.0, speedup, compute, hit_rate, meets_target=True)
+def test_a_candidate_as_fast_as_the_fastest_within_the_noise_ties_and_the_tie_goes_to_the_one_that_exits_most():
+    def candidate(threshold, per_prompt, hit_rate, compute):
+        speedups = dict(zip("abcd", per_prompt))
+        mean = sum(per_prompt) / len(per_prompt)
+        return Candidate(threshold, 600, 6, 0.99, 1.0, mean, compute, hit_rate, True, prompt_speedups=speedups)
 
-    valid = [candidate(0.95, 1.25, 0.41, 1.69), candidate(0.9, 1.27, 0.42, 1.74), candidate(0.85, 1.25, 0.51, 1.83)]
+    fastest = candidate(0.9, [1.30, 1.10, 1.45, 1.20], 0.42, 1.74)
+    noisy = candidate(0.85, [1.33, 1.02, 1.44, 1.13], 0.51, 1.83)  # slower on average, within the prompts' noise
+    slower = candidate(0.8, [1.20, 1.00, 1.34, 1.10], 0.55, 1.80)  # slower on every prompt: no tie
     target = QualityTarget(min_agreement=0.95)
-    assert choose(valid, CalibrationConfig(target)).threshold == 0.85  # 1.25 is within 3% of 1.27
-    assert choose(valid, CalibrationConfig(target, speed_tolerance=0.0)).threshold == 0.9  # strictly the fastest
-    assert choose(valid[:2] + [candidate(0.85, 1.2, 0.51, 1.83)], CalibrationConfig(target)).threshold == 0.9
-    assert choose(valid, CalibrationConfig(target, objective="compute")).threshold == 0.95
-    with pytest.raises(ValueError, match="speed_tolerance"):
-        CalibrationConfig(target, speed_tolerance=1.5)
+    assert speed_ties(noisy, fastest, 2.0) and not speed_ties(slower, fastest, 2.0)
+    assert choose([fastest, noisy], CalibrationConfig(target)).threshold == 0.85
+    assert choose([fastest, noisy], CalibrationConfig(target, speed_tie_z=0.0)).threshold == 0.9  # the fastest
+    assert choose([fastest, slower], CalibrationConfig(target)).threshold == 0.9
+    assert choose([fastest, noisy, slower], CalibrationConfig(target, objective="compute")).threshold == 0.9
+    assert not speed_ties(candidate(0.7, [1.3], 0.6, 1.0), fastest, 2.0)  # one shared prompt: no spread to test
+    with pytest.raises(ValueError, match="speed_tie_z"):
+        CalibrationConfig(target, speed_tie_z=-1)
 
 
 def test_trace_marks_depth_changes_in_plain_text_and_colours_for_terminals():

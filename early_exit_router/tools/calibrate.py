@@ -7,9 +7,10 @@ Method (documented in README, "Calibration"):
    (the confidence rule alone: `high_conf_threshold = low_conf_threshold = t`), side by side
    (`bench.run_bench`), and score every output with the full model.
 3. Keep the candidates that meet the target on the calibration half, and pick the fastest of them (measured
-   speedup, or compute per token with `objective="compute"`). Speedups within `speed_tolerance` of the fastest
-   are a tie (a dozen prompts measure speed to a few percent), which goes to the candidate that exits most
-   tokens: the target already says how much quality is enough, and the hit rate, unlike the speed, repeats.
+   speedup, or compute per token with `objective="compute"`). A candidate whose speed the run cannot tell from
+   the fastest's (per prompt, the log of its tokens/s over the fastest's averages within `speed_tie_z` standard
+   errors of zero) ties with it, and the tie goes to the candidate that exits most tokens: the target already
+   says how much quality is enough, and the hit rate, unlike a dozen prompts' speed, repeats from run to run.
    - Agreement target (teacher-forced agreement >= 1 - epsilon), `method="ltt"`: a Learn-then-Test risk bound as
      in CALM. Each candidate's null hypothesis "its disagreement rate exceeds epsilon" gets the exact binomial
      p-value P(Binomial(n, epsilon) <= k) of its k disagreements in n tokens. Candidates are tested in a fixed
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from early_exit_router.tools.bench import BenchConfig, format_value, run_bench, threshold_overrides
+from early_exit_router.tools.bench import CONTROL, BenchConfig, format_value, run_bench, threshold_overrides
 
 DEFAULT_CANDIDATES = (0.99, 0.97, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 
@@ -68,7 +69,7 @@ class CalibrationConfig:
     method: str = "ltt"  # or "empirical"
     delta: float = 0.1  # LTT: allowed probability that a chosen threshold misses the target
     objective: str = "speed"  # or "compute"
-    speed_tolerance: float = 0.03  # speed objective: speedups within this share of the fastest are a tie
+    speed_tie_z: float = 2.0  # speed objective: within this many standard errors of the fastest is a tie
     max_new_tokens: int = 64
     repeats: int = 1
 
@@ -79,8 +80,8 @@ class CalibrationConfig:
             raise ValueError(f"objective must be 'speed' or 'compute', got {self.objective!r}.")
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {self.delta}.")
-        if not 0 <= self.speed_tolerance < 1:
-            raise ValueError(f"speed_tolerance must be in [0, 1), got {self.speed_tolerance}.")
+        if self.speed_tie_z < 0:
+            raise ValueError(f"speed_tie_z must be >= 0 (0: only the fastest), got {self.speed_tie_z}.")
         if not self.candidates or any(not 0 <= t <= 1 for t in self.candidates):
             raise ValueError(f"candidates must be thresholds in [0, 1], got {self.candidates}.")
 
@@ -97,6 +98,7 @@ class Candidate:
     hit_rate: float
     p_value: float | None = None  # LTT only
     meets_target: bool = False  # valid under the method (bound or estimate)
+    prompt_speedups: dict[str, float] = field(default_factory=dict)  # per calibration prompt: tokens/s over control
 
 
 @dataclass
@@ -170,13 +172,26 @@ def split_prompts(prompts: Sequence[dict[str, Any]]) -> tuple[list[dict], list[d
 
 def choose(valid: Sequence[Candidate], cfg: CalibrationConfig) -> Candidate:
     """The candidate `calibrate` picks among those that meet the target: the least compute per token, or the
-    fastest, where speedups within `cfg.speed_tolerance` of the fastest tie and the tie goes to the highest hit
-    rate (then the higher speedup)."""
+    fastest, where every candidate the run cannot tell from the fastest (`speed_ties`) ties with it and the tie goes
+    to the highest hit rate (then the higher speedup)."""
     if cfg.objective == "compute":
         return min(valid, key=lambda c: c.compute_ratio if c.compute_ratio is not None else math.inf)
-    fastest = max(c.speedup or 0.0 for c in valid)
-    tied = [c for c in valid if (c.speedup or 0.0) >= fastest * (1 - cfg.speed_tolerance)]
+    fastest = max(valid, key=lambda c: c.speedup or 0.0)
+    tied = [c for c in valid if c is fastest or speed_ties(c, fastest, cfg.speed_tie_z)]
     return max(tied, key=lambda c: (c.hit_rate, c.speedup or 0.0))
+
+
+def speed_ties(candidate: Candidate, fastest: Candidate, z: float) -> bool:
+    """Whether `candidate` is as fast as `fastest` within the run's noise: over the prompts both ran, the mean of
+    log(its tokens/s over the fastest's) is within `z` standard errors of zero (a paired comparison, so the
+    prompts' own spread in speed cancels)."""
+    prompts = sorted(set(candidate.prompt_speedups) & set(fastest.prompt_speedups))
+    if len(prompts) < 2:
+        return False
+    diffs = [math.log(candidate.prompt_speedups[p] / fastest.prompt_speedups[p]) for p in prompts]
+    mean = sum(diffs) / len(diffs)
+    variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean >= -z * math.sqrt(variance / len(diffs))
 
 
 def calibrate(
@@ -266,6 +281,7 @@ def _heldout_config(cfg: BenchConfig) -> BenchConfig:
 def _candidate(threshold: float, row: dict[str, Any], records: list) -> Candidate:
     disagreements = sum(r.quality["disagreements"] for r in records if r.arm == row["arm"])
     return Candidate(
+        prompt_speedups=_prompt_speedups(records, row["arm"]),
         threshold=threshold,
         tokens=row["tokens"],
         disagreements=disagreements,
@@ -275,3 +291,19 @@ def _candidate(threshold: float, row: dict[str, Any], records: list) -> Candidat
         compute_ratio=row["compute_ratio"],
         hit_rate=row["hit_rate"],
     )
+
+
+def _prompt_speedups(records: list, arm: str) -> dict[str, float]:
+    """Per prompt, the arm's tokens/s over the control's (repeats pooled)."""
+    totals: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        if r.arm in (arm, CONTROL):
+            tokens_time = totals.setdefault((r.arm, r.prompt_id), [0.0, 0.0])
+            tokens_time[0] += len(r.new_ids)
+            tokens_time[1] += r.wall_s
+    speeds = {key: n / t for key, (n, t) in totals.items() if n and t > 0}
+    return {
+        p: round(speed / speeds[(CONTROL, p)], 4)
+        for (a, p), speed in speeds.items()
+        if a == arm and (CONTROL, p) in speeds
+    }
