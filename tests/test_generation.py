@@ -386,13 +386,14 @@ def test_ngram_tier_proposes_on_repetitive_text_and_fills_the_cache_in_exit_mode
     assert verified.stats.exit_histogram.get(-1, 0) > 0  # accepted copies count for the tier
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_in_exit_mode_the_ngram_tier_drafts_while_exited_tokens_wait(seed):
+@pytest.mark.parametrize("seed, check_fraction", [(0, 1.0), (1, 1.0), (2, 1.0), (0, 0.5), (1, 0.3)])
+def test_in_exit_mode_the_ngram_tier_drafts_while_exited_tokens_wait(seed, check_fraction):
     """Exits do not crowd out the tier: it drafts right after an exited token, and the one deep pass fills the
-    exited tokens (final: exit mode never rolls them back) and verifies the tier's drafts after them."""
+    exited tokens (final: exit mode never rolls them back; a share of them checked) and verifies the tier's drafts
+    after them."""
     model = tiny_llama(seed)
     config = {**ALWAYS_EXIT, "ngram_tier": True, "ngram_store_tokens": 0, "max_pending": 8}
-    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], check_fraction=check_fraction, **config)
     ids = repetitive_prompt(3)
     out = router.generate(ids, max_new_tokens=40, mode="exit")
     n, depths = ids.shape[1], out.depths
@@ -402,6 +403,19 @@ def test_in_exit_mode_the_ngram_tier_drafts_while_exited_tokens_wait(seed):
     for k, depth in enumerate(depths):
         if depth == -1:  # a kept n-gram token is what the full model predicts after the text before it
             assert full[n + k - 1] == out.sequences[0, n + k], k
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_sampling_in_exit_mode_with_the_ngram_tier_beside_waiting_exits_fills_the_cache_exactly():
+    model = tiny_llama(0)
+    config = {**ALWAYS_EXIT, "ngram_tier": True, "ngram_store_tokens": 0, "max_pending": 8}
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    ids = repetitive_prompt(3)
+    out = router.generate(ids, max_new_tokens=40, mode="exit", do_sample=True, temperature=0.1, seed=3)
+    again = router.generate(ids, max_new_tokens=40, mode="exit", do_sample=True, temperature=0.1, seed=3)
+    assert torch.equal(out.sequences, again.sequences)
+    assert -1 in out.depths and {1, 3} & set(out.depths)  # both tiers emitted tokens
+    assert out.stats.rejected_drafts > 0  # the speculative-sampling rule rejected some drafts: rollbacks ran
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
 
 
