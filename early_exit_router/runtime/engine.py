@@ -283,23 +283,21 @@ class Engine:
             return
         if forced:
             state.forced += 1
-        deep = forced
-        if deep:
             router.end_block(state.routing)
-        target = None if deep else router.block_target(state.routing)
+        target = None if forced else router.block_target(state.routing)
 
         hidden: torch.Tensor | None = stack.embed(state.seq[:, q : q + 1], q)  # (1, 1, hidden)
         chunk_start = q
         for i in range(len(self.exits) + 1):
             hidden, chunk_start = self._fill_segment(state, i, hidden, chunk_start, q + 1)
-            if i < len(self.exits) and not deep and target in (None, i) and self._asks(state, i, target):
+            if i < len(self.exits) and not forced and target in (None, i) and self._asks(state, i, target):
                 exited = self._try_exit(state, i, self.exits[i], hidden, q, target, request, selector)
                 if target is None:  # a block's later tokens follow its first one: nothing was decided here
                     state.tracker.observe(("ask", i), exited)
                 if exited:
                     return
 
-        if target is None and not deep:
+        if target is None and not forced:
             router.start_block(state.routing, FULL_DEPTH)
         self._finish_deep(state, hidden, chunk_start, True, request, selector)
 

@@ -281,7 +281,6 @@ def _heldout_config(cfg: BenchConfig) -> BenchConfig:
 def _candidate(threshold: float, row: dict[str, Any], records: list) -> Candidate:
     disagreements = sum(r.quality["disagreements"] for r in records if r.arm == row["arm"])
     return Candidate(
-        prompt_speedups=_prompt_speedups(records, row["arm"]),
         threshold=threshold,
         tokens=row["tokens"],
         disagreements=disagreements,
@@ -290,6 +289,7 @@ def _candidate(threshold: float, row: dict[str, Any], records: list) -> Candidat
         speedup=row["speedup"],
         compute_ratio=row["compute_ratio"],
         hit_rate=row["hit_rate"],
+        prompt_speedups=_prompt_speedups(records, row["arm"]),
     )
 
 
