@@ -9,8 +9,8 @@
 #   3. the gates refit with text of their own (the model's answers to 400 fresh prompts; session 10),
 #   4. `calibrate` to teacher-forced agreement >= 0.95 on the calibration prompts, saved to OUT_DIR with the
 #      shipped router's hand-set fields (verify mode by default, exit acceptance prior 0.3).
-# About four hours on 2 CPU threads. OUT_DIR.work keeps each step's output and the cached hidden states (about
-# 6 GB), so a step that fails can be rerun alone; OUT_DIR gets the calibrated router, step 3's
+# About four hours on 2 CPU threads (every step pins 2). OUT_DIR.work keeps each step's output and the cached
+# hidden states (about 6 GB), so a step that fails can be rerun alone; OUT_DIR gets the calibrated router, step 3's
 # training_report.json and step 4's calibration_report.json.
 #
 # Options after OUT_DIR go to every train-heads run, where the last of a repeated option wins: `--model` trains
@@ -27,11 +27,20 @@ work="$out.work"
 read -r -a cli <<< "${EER_CLI:-early-exit-router}"
 read -r -a calibrate_args <<< "${EER_CALIBRATE_ARGS:-}"
 mkdir -p "$work"
+# The cached hidden states in $work are reused by every later run into the same OUT_DIR, whatever its options: a
+# trial run with small budgets must not feed a full one. So the options are stamped, and a run with other ones stops.
+stamp="$work/options.txt"
+options="$(printf '%q ' "$@") | ${EER_CALIBRATE_ARGS:-}"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" != "$options" ]; then
+    echo "$work holds hidden states cached for other options ($(cat "$stamp")): remove it or use another OUT_DIR." >&2
+    exit 2
+fi
+echo "$options" > "$stamp"
 exits=(--exit-layers 4,16,24 --adapter postnorm)
 corpus=(--max-tokens 260000 --self-gen-tokens 128 --generated-prompts 500 --sampled --hidden-states "$work/states.pt")
 
 "${cli[@]}" train-heads --out "$work/postnorm" "${exits[@]}" "${corpus[@]}" --max-steps 16000 \
-    --seed 0 "$@"
+    --seed 0 --threads 2 "$@"
 "${cli[@]}" train-heads --out "$work/block" --init-from "$work/postnorm" "${exits[@]}" \
     --exit-adapters 16:residual_block --train-exits 16 "${corpus[@]}" --max-steps 17176 --lr 1e-3 --seed 0 \
     --threads 2 "$@"

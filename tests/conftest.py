@@ -50,6 +50,26 @@ def _quiet_untrained_warning():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _deterministic_costs(request, monkeypatch):
+    """Routers decide from a fixed synthetic cost table in tests, not one measured while other work shares the CPU:
+    a measured table (cached per model shape, device and library versions) made the exit-mode ask rule and the
+    policy's plans depend on timing. The table is flat (a bandwidth-bound device: asking an exit and drafting both
+    pay). Tests of the measurement call `costs.cost_model_for` or `costs.measure` themselves, and tests that assign
+    `router.cost_model` use their own; `@pytest.mark.measured_costs` opts a test out."""
+    if request.node.get_closest_marker("measured_costs"):
+        yield
+        return
+    from early_exit_router.runtime import router as router_module
+    from early_exit_router.runtime.costs import CostModel
+
+    def flat(stack, heads, draft_vocab_size, max_chunk, refresh=False):
+        return CostModel.synthetic(stack.num_layers, [1.0] * max_chunk, [6.0] * max_chunk, draft_head_ms=0.1)
+
+    monkeypatch.setattr(router_module, "cost_model_for", flat)
+    yield
+
+
 def prompt(seed: int = 1, length: int = 6) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (1, length), generator=g)

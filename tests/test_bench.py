@@ -135,6 +135,10 @@ def test_a_candidate_as_fast_as_the_fastest_within_the_noise_ties_and_the_tie_go
     assert choose([fastest, slower], CalibrationConfig(target)).threshold == 0.9
     assert choose([fastest, noisy, slower], CalibrationConfig(target, objective="compute")).threshold == 0.9
     assert not speed_ties(candidate(0.7, [1.3], 0.6, 1.0), fastest, 2.0)  # one shared prompt: no spread to test
+    # Pooled, `fastest` is faster; per prompt the other's mean log ratio is above zero: only z > 0 lets it tie.
+    skewed = candidate(0.75, [1.32, 1.12, 1.44, 1.21], 0.6, 1.9)
+    skewed.speedup = 1.2
+    assert choose([fastest, skewed], CalibrationConfig(target, speed_tie_z=0.0)).threshold == 0.9
     with pytest.raises(ValueError, match="speed_tie_z"):
         CalibrationConfig(target, speed_tie_z=-1)
 

@@ -493,6 +493,8 @@ def test_the_shipped_heads_recipe_runs_end_to_end_as_one_command(tmp_path):
     assert json.loads((out / "calibration_report.json").read_text())["chosen_threshold"] is not None
     block = load_router(Path(f"{out}.work") / "block")  # step 2 trained L16 alone, from step 1's heads
     postnorm = load_router(Path(f"{out}.work") / "postnorm")
+    other = subprocess.run(["bash", str(script), str(out), *trial, "--max-steps", "3"], env=env, capture_output=True)
+    assert other.returncode == 2 and b"cached for other options" in other.stderr  # the trial's states stay apart
     for key, value in postnorm.tensors.items():
         if key.startswith(("adapters.4.", "adapters.24.")):
             assert torch.equal(block.tensors[key], value), key

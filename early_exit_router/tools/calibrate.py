@@ -177,6 +177,8 @@ def choose(valid: Sequence[Candidate], cfg: CalibrationConfig) -> Candidate:
     if cfg.objective == "compute":
         return min(valid, key=lambda c: c.compute_ratio if c.compute_ratio is not None else math.inf)
     fastest = max(valid, key=lambda c: c.speedup or 0.0)
+    if cfg.speed_tie_z == 0:  # no tolerance: the measured fastest, even where a paired mean favours another
+        return fastest
     tied = [c for c in valid if c is fastest or speed_ties(c, fastest, cfg.speed_tie_z)]
     return max(tied, key=lambda c: (c.hit_rate, c.speedup or 0.0))
 
@@ -256,7 +258,7 @@ def calibrate(
     router.config = router.config.replace(**threshold_overrides(best.threshold))
     if best.speedup is not None and best.speedup < 1:
         result.notes.append(
-            f"The fastest valid threshold is slower than plain HF generation on this machine ({best.speedup:.2f}x): "
+            f"The chosen threshold is slower than plain HF generation on this machine ({best.speedup:.2f}x): "
             "the exit heads cost more than the layers they skip here (see `compute` and the README)."
         )
     check = run_bench(router, heldout_prompts, _heldout_config(bench_cfg), progress=progress)
