@@ -620,30 +620,33 @@ class Engine:
         # cycle's drafts after them are verified. Verify mode verifies every draft.
         final = min(n_drafts, max(0, state.verify_from - chunk_start)) if state.verifying else n_drafts
         checked = self._sample_checks(state, final)  # offsets into the chunk's drafts
+        # One head call over the checked rows, then the verified rows or the current token's row.
+        tail = list(range(final, m)) if state.verifying else ([m - 1] if has_current else [])
+        if state.verifying and not checked:
+            selected = hidden[:, final:]  # contiguous: no copy
+        else:
+            index = torch.tensor(checked + tail, dtype=torch.long, device=hidden.device)
+            selected = hidden.index_select(1, index)  # (1, checked + tail rows, hidden)
+        logits = self._head(selected)[0] if selected.shape[1] else None  # (rows, vocab); None: nothing to check
+        matches = (logits[: len(checked)].argmax(dim=-1) == drafts[checked]).long() if checked else None
         if state.verifying:
-            if checked:
-                index = torch.tensor(checked + list(range(final, m)), device=hidden.device)
-                logits = self._head(hidden.index_select(1, index))[0]  # (checked + verified rows, vocab)
-                matches = (logits[: len(checked)].argmax(dim=-1) == drafts[checked]).tolist()
-                self._count_agreement(state, chunk_start, matches, checked)
-                logits = logits[len(checked) :]
-            else:
-                logits = self._head(hidden[:, final:])[0]  # (m - final, vocab)
-            return self._verify(state, logits, chunk_start + final, drafts[final:], has_current, request, selector)
-        _compat.trim_sliding(state.cache)
-        rows = checked + ([m - 1] if has_current else [])
-        if rows:
-            index = torch.tensor(rows, device=hidden.device)
-            logits = self._head(hidden.index_select(1, index))[0]  # (checked drafts + current, vocab)
-            matches = (logits[: len(checked)].argmax(dim=-1) == drafts[checked]).long()
-            if has_current:
-                row = logits[-1:]
-                token = selector.choose(state.seq[:, : chunk_start + m], row)
-                *matched, token_id = torch.cat([matches, token.reshape(1)]).tolist()  # one host sync
-                self._count_agreement(state, chunk_start, matched, checked)
-                self._append(state, token, token_id, self.full_layer, row, request)
-            else:
+            if matches is not None:
                 self._count_agreement(state, chunk_start, matches.tolist(), checked)
+            return self._verify(
+                state, logits[len(checked) :], chunk_start + final, drafts[final:], has_current, request, selector
+            )
+        _compat.trim_sliding(state.cache)
+        if has_current:
+            row = logits[-1:]
+            token = selector.choose(state.seq[:, : chunk_start + m], row)
+            # one host sync for the verdicts and the token
+            *matched, token_id = (
+                token.reshape(1) if matches is None else torch.cat([matches, token.reshape(1)])
+            ).tolist()
+            self._count_agreement(state, chunk_start, matched, checked)
+            self._append(state, token, token_id, self.full_layer, row, request)
+        elif matches is not None:
+            self._count_agreement(state, chunk_start, matches.tolist(), checked)
         state.draft_exit.clear()
         state.draft_key.clear()
         return False

@@ -92,6 +92,8 @@ class DraftPolicy:
         self.margin = margin
         self.check_share = check_share  # exit mode: the share of exited tokens the fill checks (one head row each)
         self.plain_rate = 1.0 / costs.plain_step()
+        # Exit mode consults this on every token at every exit; the table is fixed, so it is worked out once.
+        self._break_even = [self.break_even_exit_rate(i) for i in range(len(self.exit_layers))]
 
     @classmethod
     def for_config(cls, costs: CostModel, config: Any, heads: Any) -> DraftPolicy:
@@ -126,7 +128,7 @@ class DraftPolicy:
 
     def worth_consulting(self, i: int, exit_rate: float) -> bool:
         """Exit mode: whether asking exit `i` pays, at an estimated `exit_rate` of tokens asked that leave there."""
-        return exit_rate >= self.break_even_exit_rate(i)
+        return exit_rate >= self._break_even[i]
 
     def ngram_cycle_ms(self, d: int) -> float:
         c = self.costs
