@@ -443,8 +443,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from early_exit_router.runtime.router import EarlyExitRouter
-    from early_exit_router.tools.metrics import first_divergence
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.bench.metrics import first_divergence
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
@@ -482,7 +482,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "plain_wall_s": plain_s,
         }
     if args.trace:
-        from early_exit_router.tools.trace import render_trace, trace_legend, use_colour
+        from early_exit_router.bench.trace import render_trace, trace_legend, use_colour
 
         colour = use_colour(sys.stdout)
         if router.tokenizer is None:
@@ -511,8 +511,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_train_heads(args: argparse.Namespace) -> int:
     import torch
 
-    from early_exit_router.runtime.router import EarlyExitRouter
-    from early_exit_router.tools.training import (
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.training.training import (
         HiddenStateCache,
         TrainingConfig,
         build_cache,
@@ -581,7 +581,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     result["wall_seconds"] = round(time.perf_counter() - start, 1)
     router.save_pretrained(args.out)
     (Path(args.out) / "training_report.json").write_text(json.dumps(result, indent=2) + "\n")
-    from early_exit_router.tools.head_report import ExitQuality, format_table
+    from early_exit_router.training.head_report import ExitQuality, format_table
 
     print(
         format_table("held-out positions of the training corpus", [ExitQuality(**r) for r in result["holdout_quality"]])
@@ -593,14 +593,14 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 def _gate_cache(router: Any, args: argparse.Namespace, chunk_len: int) -> tuple[Any, dict[str, Any]]:
     """train-heads' gate-only text (`--gate-prompts`) as hidden states, read from `--gate-hidden-states` when that
     file exists; (None, {}) without it."""
-    from early_exit_router.tools.corpus import (
+    from early_exit_router.training.corpus import (
         CALIBRATION_PROMPTS,
         DEV_PROMPTS,
         HELDOUT_PROMPTS,
         generated_prompts,
         load_prompts,
     )
-    from early_exit_router.tools.training import HiddenStateCache, build_cache, gate_sequences
+    from early_exit_router.training.training import HiddenStateCache, build_cache, gate_sequences
 
     states = Path(args.gate_hidden_states) if args.gate_hidden_states else None
     if states is not None and states.exists():
@@ -626,10 +626,10 @@ def _gate_cache(router: Any, args: argparse.Namespace, chunk_len: int) -> tuple[
 
 
 def cmd_eval_heads(args: argparse.Namespace) -> int:
-    from early_exit_router.runtime.router import EarlyExitRouter
-    from early_exit_router.tools.corpus import DEV_PROMPTS, held_out_texts, load_prompts, self_generated
-    from early_exit_router.tools.head_report import as_dicts, exit_signals, format_table, quality_table
-    from early_exit_router.tools.training import build_cache
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.training.corpus import DEV_PROMPTS, held_out_texts, load_prompts, self_generated
+    from early_exit_router.training.head_report import as_dicts, exit_signals, format_table, quality_table
+    from early_exit_router.training.training import build_cache
 
     router = EarlyExitRouter.from_pretrained(args.model, **_router_overrides(args))
     print(router.describe(), file=sys.stderr)
@@ -654,9 +654,9 @@ def cmd_eval_heads(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from early_exit_router.runtime.router import EarlyExitRouter
-    from early_exit_router.tools.bench import BenchConfig, run_bench
-    from early_exit_router.tools.corpus import DEV_PROMPTS, load_prompts
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.bench.bench import BenchConfig, run_bench
+    from early_exit_router.training.corpus import DEV_PROMPTS, load_prompts
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
@@ -691,8 +691,8 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
         from early_exit_router.integrations.server.loadtest import LoadtestConfig, run_loadtest
     except ImportError as exc:
         raise ImportError(f"loadtest needs the 'serve' extra and openai ({exc.name} is missing).") from None
-    from early_exit_router.runtime.router import EarlyExitRouter
-    from early_exit_router.tools.corpus import DEV_PROMPTS, load_prompts
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.training.corpus import DEV_PROMPTS, load_prompts
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
@@ -710,9 +710,9 @@ def cmd_loadtest(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_batch(args: argparse.Namespace) -> int:
-    from early_exit_router.runtime.router import EarlyExitRouter
-    from early_exit_router.tools.batch_bench import BatchBenchConfig, run_batch_bench
-    from early_exit_router.tools.corpus import DEV_PROMPTS, load_prompts
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.bench.batch_bench import BatchBenchConfig, run_batch_bench
+    from early_exit_router.training.corpus import DEV_PROMPTS, load_prompts
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
@@ -729,8 +729,8 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from early_exit_router.runtime.policy import AcceptanceTracker, DraftPolicy
-    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)
@@ -766,10 +766,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_survey(args: argparse.Namespace) -> int:
-    from early_exit_router.runtime.router import EarlyExitRouter
-    from early_exit_router.tools.head_report import as_dicts
-    from early_exit_router.tools.survey import format_survey, survey_exits
-    from early_exit_router.tools.training import build_cache, corpus_sequences
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.training.head_report import as_dicts
+    from early_exit_router.training.survey import format_survey, survey_exits
+    from early_exit_router.training.training import build_cache, corpus_sequences
 
     router = EarlyExitRouter.from_pretrained(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
     stack = router._stack
@@ -794,8 +794,8 @@ def cmd_survey(args: argparse.Namespace) -> int:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from early_exit_router.runtime.router import EarlyExitRouter
-    from early_exit_router.tools.memory import measured_bytes, memory_budget
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.bench.memory import measured_bytes, memory_budget
 
     if args.context < 2:
         raise ValueError(f"--context must be at least 2 positions, got {args.context}.")
@@ -817,15 +817,15 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from early_exit_router.runtime.router import EarlyExitRouter
-    from early_exit_router.tools.calibrate import (
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.training.calibrate import (
         DEFAULT_CANDIDATES,
         CalibrationConfig,
         QualityTarget,
         calibrate,
         split_prompts,
     )
-    from early_exit_router.tools.corpus import CALIBRATION_PROMPTS, load_prompts
+    from early_exit_router.training.corpus import CALIBRATION_PROMPTS, load_prompts
 
     target = QualityTarget(min_agreement=args.target_agreement, max_nll_increase=args.max_nll_increase)
     cfg = CalibrationConfig(
@@ -854,8 +854,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_export_draft(args: argparse.Namespace) -> int:
-    from early_exit_router.runtime.router import EarlyExitRouter
-    from early_exit_router.tools.export import export_draft
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.integrations.export import export_draft
 
     router = EarlyExitRouter.from_pretrained(args.model)
     print(router.describe(), file=sys.stderr)
@@ -877,7 +877,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ImportError(
             f"serve needs the 'serve' extra ({exc.name} is missing): pip install 'early-exit-router[serve]'."
         ) from None
-    from early_exit_router.runtime.router import EarlyExitRouter
+    from early_exit_router.api import EarlyExitRouter
 
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **_router_overrides(args)

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from early_exit_router import EarlyExitRouter
+from early_exit_router.bench.memory import measured_bytes, memory_budget  # noqa: E402
 from early_exit_router.models import _compat
-from early_exit_router.tools.memory import measured_bytes, memory_budget  # noqa: E402
 from tests.conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, tiny_llama  # noqa: E402
 
 FAILURES: list[str] = []

@@ -60,8 +60,8 @@ def _deterministic_costs(request, monkeypatch):
     if request.node.get_closest_marker("measured_costs"):
         yield
         return
-    from early_exit_router.runtime import router as router_module
-    from early_exit_router.runtime.costs import CostModel
+    from early_exit_router import api as router_module
+    from early_exit_router.routing.costs import CostModel
 
     def flat(stack, heads, draft_vocab_size, max_chunk, refresh=False):
         return CostModel.synthetic(stack.num_layers, [1.0] * max_chunk, [6.0] * max_chunk, draft_head_ms=0.1)
@@ -150,7 +150,7 @@ def tiny_costs() -> dict:
     """Synthetic cost tables for the 6-layer tiny models, so that tests of the cost policy do not depend on timing:
     'flat' (a bandwidth-bound GPU: drafting pays), 'steep' (every extra position costs nearly as much as the first:
     drafting rarely pays) and 'quirky' (slow at 2-4 positions and 2-7 head rows, as this project's CPU measured)."""
-    from early_exit_router.runtime.costs import CostModel
+    from early_exit_router.routing.costs import CostModel
 
     return {
         "flat": CostModel.synthetic(6, [1.0] * 16, [6.0] * 16, draft_head_ms=0.1),

@@ -140,7 +140,7 @@ def test_batched_sampling_in_exit_mode_and_clear_errors():
 
 
 def test_bench_batch_reports_every_arm_and_verify_rows_equal_the_control():
-    from early_exit_router.tools.batch_bench import ARMS, BatchBenchConfig, run_batch_bench
+    from early_exit_router.bench.batch_bench import ARMS, BatchBenchConfig, run_batch_bench
 
     from .conftest import tiny_tokenizer
 
@@ -161,8 +161,8 @@ def test_bench_batch_reports_every_arm_and_verify_rows_equal_the_control():
 def continuous(batch, prompts: list[torch.Tensor], budgets: list[int], mode: str):
     """Continuous batching by hand: `join(k)` adds prompt k between steps (stepping until rows may join), `retire()`
     takes finished rows out, keeping their outputs in the returned dict."""
-    from early_exit_router.runtime.engine import DecodeRequest
-    from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+    from early_exit_router.decode.engine import DecodeRequest
+    from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 
     rows, outputs = {}, {}
 
@@ -186,8 +186,8 @@ def continuous(batch, prompts: list[torch.Tensor], budgets: list[int], mode: str
 def test_rows_joining_and_leaving_between_steps_equal_each_row_run_alone(mode):
     """Continuous batching: rows join (shorter and longer than the batch so far) and leave between steps; verify
     rows equal HF greedy of each prompt alone, exit rows (never exiting) too, and the cache stays small."""
-    from early_exit_router.runtime.batch_engine import BatchDecode
-    from early_exit_router.runtime.routing import Router
+    from early_exit_router.decode.batch_engine import BatchDecode
+    from early_exit_router.routing.exit_rule import Router
 
     model = tiny_llama(0)
     config = MIXED if mode == "verify" else NEVER_EXIT
@@ -219,7 +219,7 @@ def test_rows_joining_and_leaving_between_steps_equal_each_row_run_alone(mode):
 
 
 def test_under_the_cost_policy_a_batch_stops_asking_exits_that_never_fire(monkeypatch):
-    from early_exit_router.runtime import batch_engine
+    from early_exit_router.decode import batch_engine
 
     calls = []
     real = batch_engine.draft_logits
@@ -242,10 +242,10 @@ def test_drafts_are_judged_after_the_logits_processors():
     raw argmax: a processor that bans the raw winner must change the verdict."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from early_exit_router.runtime.batch_engine import BatchDecode, BatchRow
-    from early_exit_router.runtime.engine import DecodeRequest
-    from early_exit_router.runtime.routing import Router
-    from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+    from early_exit_router.decode.batch_engine import BatchDecode, BatchRow
+    from early_exit_router.decode.engine import DecodeRequest
+    from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+    from early_exit_router.routing.exit_rule import Router
 
     class Ban(LogitsProcessor):
         def __call__(self, input_ids, scores):

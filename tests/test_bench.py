@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.bench.bench import CONTROL, ENGINE_CONTROL, BenchConfig, run_bench
+from early_exit_router.bench.trace import render_trace, trace_legend
 from early_exit_router.cli import main
-from early_exit_router.tools.bench import CONTROL, ENGINE_CONTROL, BenchConfig, run_bench
-from early_exit_router.tools.calibrate import (
+from early_exit_router.training.calibrate import (
     CalibrationConfig,
     Candidate,
     QualityTarget,
@@ -18,7 +19,6 @@ from early_exit_router.tools.calibrate import (
     choose,
     speed_ties,
 )
-from early_exit_router.tools.trace import render_trace, trace_legend
 
 from .conftest import tiny_llama, tiny_tokenizer
 

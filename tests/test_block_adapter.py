@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.runtime.engine import DecodeRequest
-from early_exit_router.runtime.heads import BlockAdapter, after_block
-from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+from early_exit_router.decode.engine import DecodeRequest
+from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+from early_exit_router.heads.block import BlockAdapter
+from early_exit_router.heads.draft import after_block
 
 from .conftest import MIXED, assert_cache_matches_full_forward, prompt, tiny_llama
 
@@ -139,7 +140,7 @@ def test_a_padded_batch_with_block_adapters_runs_each_row_alone():
 def test_a_residual_block_starts_as_exactly_its_postnorm_head():
     """Its block's update enters scaled by zero at the start and its post-norm map is a `postnorm` adapter, so a
     residual block warm-started from a trained `postnorm` head predicts exactly what that head does."""
-    from early_exit_router.runtime.heads import exit_logits
+    from early_exit_router.heads.draft import exit_logits
 
     model = tiny_llama(0)
     postnorm = EarlyExitRouter.from_model(model, exit_layers=EXITS, adapter="postnorm")
@@ -158,7 +159,7 @@ def test_a_residual_block_starts_as_exactly_its_postnorm_head():
 def test_a_residual_block_scales_the_layers_own_residual_writes():
     """Its writers are found in the layer (attention's output and the MLP's down projection), and a layer where
     zeroing them would not leave the identity is refused with the fix."""
-    from early_exit_router.runtime.heads import _check_starts_as_identity
+    from early_exit_router.heads.block import _check_starts_as_identity
 
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=EXITS, adapter="residual_block")
     adapter = router.heads.adapter(1)

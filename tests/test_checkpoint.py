@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.runtime.checkpoint import CONFIG_NAME, WEIGHTS_NAME, BaseModelMismatchError, load_router
+from early_exit_router.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, BaseModelMismatchError, load_router
 
 from .conftest import MIXED, prompt, tiny_llama
 

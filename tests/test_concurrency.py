@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.runtime.engine import DecodeRequest
-from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+from early_exit_router.decode.engine import DecodeRequest
+from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 
 from .conftest import (
     ALWAYS_EXIT,

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.runtime import costs
-from early_exit_router.runtime.costs import CostModel, cost_model_for
-from early_exit_router.runtime.ngram import SuffixStore
-from early_exit_router.runtime.policy import AcceptanceTracker, DraftPolicy, expected_tokens
+from early_exit_router.routing import costs
+from early_exit_router.routing.costs import CostModel, cost_model_for
+from early_exit_router.routing.ngram import SuffixStore
+from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, expected_tokens
 
 from .conftest import VOCAB, assert_cache_matches_full_forward, prompt, tiny_costs, tiny_llama
 
@@ -182,7 +182,7 @@ def test_trimmed_drafts_in_verify_mode_equal_greedy_across_random_thresholds(tri
 def test_the_draft_head_covers_only_its_token_set():
     model = tiny_llama(0)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], draft_vocab_size=16)
-    from early_exit_router.runtime.heads import draft_logits
+    from early_exit_router.heads.draft import draft_logits
 
     draft = router.heads.draft_head(router._stack, 16)
     logits = draft_logits(router._stack, router.heads.adapter(1), draft, torch.randn(1, 32))
@@ -195,7 +195,7 @@ def test_the_draft_head_covers_only_its_token_set():
 
 def test_single_token_matches_are_opt_in_and_reported_with_their_length():
     from early_exit_router import RouterConfig
-    from early_exit_router.runtime.ngram import ngram_match
+    from early_exit_router.routing.ngram import ngram_match
 
     assert ngram_match([5, 9, 3, 5], 4, 2) == ([], 0)  # no repeated pair
     assert ngram_match([5, 9, 3, 5], 4, 2, min_ngram=1) == ([9, 3], 1)

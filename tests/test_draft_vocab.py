@@ -7,11 +7,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.runtime.checkpoint import WEIGHTS_NAME, load_router
-from early_exit_router.runtime.heads import DRAFT_RANKING, draft_token_ranking
-from early_exit_router.runtime.policy import DraftPolicy
-from early_exit_router.tools.survey import break_even_acceptance, survey_exits
-from early_exit_router.tools.training import TrainingConfig, build_cache, coverage_at, distill_router
+from early_exit_router.heads.checkpoint import WEIGHTS_NAME, load_router
+from early_exit_router.heads.draft import draft_token_ranking
+from early_exit_router.heads.exit_heads import DRAFT_RANKING
+from early_exit_router.routing.policy import DraftPolicy
+from early_exit_router.training.survey import break_even_acceptance, survey_exits
+from early_exit_router.training.training import TrainingConfig, build_cache, coverage_at, distill_router
 
 from .conftest import MIXED, VOCAB, prompt, tiny_costs, tiny_llama
 
@@ -32,7 +33,7 @@ def test_ranking_orders_by_prediction_count_then_id():
 def test_the_entropy_rule_works_on_trimmed_draft_logits():
     """Draft logits are -inf outside the draft ids: their entropy is that of the finite part, never NaN."""
     from early_exit_router.config import RouterConfig
-    from early_exit_router.runtime.routing import Router
+    from early_exit_router.routing.exit_rule import Router
 
     router = Router(RouterConfig(entropy_normalized=False, high_conf_threshold=0.99, low_conf_threshold=0.2), VOCAB)
     finite = torch.tensor([2.0, 1.0, 0.5, -1.0])
@@ -49,7 +50,7 @@ def test_the_entropy_rule_works_on_trimmed_draft_logits():
 
 
 def test_head_features_on_the_draft_ids_equal_those_on_the_full_width_logits():
-    from early_exit_router.runtime.heads import head_features
+    from early_exit_router.heads.gates import head_features
 
     ids = torch.tensor([3, 9, 17, 40, 41, 60, 77])
     trimmed = torch.full((2, VOCAB), float("-inf"))
@@ -128,7 +129,7 @@ def test_survey_fits_every_layer_and_leaves_the_router_heads_alone(adapter):
 
 def test_the_head_signal_reads_the_draft_columns_alone_and_skips_the_softmax_where_entropy_cannot_decide():
     from early_exit_router.config import RouterConfig
-    from early_exit_router.runtime.routing import Router
+    from early_exit_router.routing.exit_rule import Router
 
     columns = torch.tensor([3, 7, 11, 40])
     full = torch.full((2, VOCAB), float("-inf"))

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from early_exit_router import EarlyExitRouter
 from early_exit_router.cli import main
-from early_exit_router.runtime.heads import exit_logits
-from early_exit_router.tools.export import export_draft
+from early_exit_router.heads.draft import exit_logits
+from early_exit_router.integrations.export import export_draft
 
 from .conftest import prompt, tiny_llama, tiny_tokenizer
 from .test_architectures import build

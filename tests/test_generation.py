@@ -346,7 +346,7 @@ def test_verify_mode_reports_accepted_draft_lengths():
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
-    from early_exit_router.runtime.ngram import ngram_lookup
+    from early_exit_router.routing.ngram import ngram_lookup
 
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, 2) == [7, 5]  # latest occurrence wins
     assert ngram_lookup([4, 5, 6, 4, 5], 3, 4) == [6, 4, 5]  # falls back to a 2-token suffix

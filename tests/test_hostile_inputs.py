@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.runtime.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_router
+from early_exit_router.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_router
 
 from .conftest import MIXED, assert_same_model, model_fingerprint, prompt, tiny_llama, tiny_tokenizer
 

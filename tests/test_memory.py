@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.tools.memory import cache_bytes, measured_bytes, memory_budget
+from early_exit_router.bench.memory import cache_bytes, measured_bytes, memory_budget
 
 from .conftest import MIXED, tiny_llama
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from early_exit_router.tools.calibrate import QualityTarget, binomial_cdf, split_prompts
-from early_exit_router.tools.metrics import first_divergence, nll_ratio, rouge_l, teacher_forced_score, token_match
+from early_exit_router.bench.metrics import first_divergence, nll_ratio, rouge_l, teacher_forced_score, token_match
+from early_exit_router.training.calibrate import QualityTarget, binomial_cdf, split_prompts
 
 from .conftest import prompt, tiny_llama
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.runtime import router as router_module
-from early_exit_router.tools.training import TrainingConfig, build_cache, train_gates, train_heads
+from early_exit_router import api as router_module
+from early_exit_router.training.training import TrainingConfig, build_cache, train_gates, train_heads
 
 from .conftest import MIXED, assert_same_model, model_fingerprint, prompt, tiny_llama
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.tools.export import export_draft
-from early_exit_router.tools.memory import memory_budget
+from early_exit_router.bench.memory import memory_budget
+from early_exit_router.integrations.export import export_draft
 
 from .conftest import MIXED, NEVER_EXIT, assert_cache_matches_full_forward, prompt, tiny_llama
 
@@ -50,7 +50,7 @@ def test_memory_counts_the_quantized_bytes_and_export_refuses_them(tmp_path):
 
 
 def test_heads_saved_from_the_dense_model_load_onto_its_quantized_copy(tmp_path):
-    from early_exit_router.runtime.checkpoint import load_router
+    from early_exit_router.heads.checkpoint import load_router
 
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **MIXED)
     router.save_pretrained(tmp_path / "heads")
@@ -71,7 +71,7 @@ def test_quantization_choices_fail_clearly_before_loading():
 
 def test_quantized_loading_keeps_its_own_cost_model_key():
     from early_exit_router.models.quantization import quantize_loaded
-    from early_exit_router.runtime.costs import cost_key
+    from early_exit_router.routing.costs import cost_key
 
     dense = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
     model = tiny_llama(0)
@@ -82,7 +82,7 @@ def test_quantized_loading_keeps_its_own_cost_model_key():
 
 
 def test_the_compute_meter_counts_a_quantized_base_like_the_dense_one():
-    from early_exit_router.tools.compute import ComputeMeter
+    from early_exit_router.bench.compute import ComputeMeter
 
     counts = []
     for model in (tiny_llama(0), quantized("int4")):

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.runtime import ragged_batch
-from early_exit_router.runtime.engine import NGRAM_LAYER, DecodeRequest
-from early_exit_router.runtime.ragged_batch import RaggedVerifyDecode
-from early_exit_router.runtime.routing import Router
-from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+from early_exit_router.decode import ragged_batch
+from early_exit_router.decode.engine import NGRAM_LAYER, DecodeRequest
+from early_exit_router.decode.ragged_batch import RaggedVerifyDecode
+from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+from early_exit_router.routing.exit_rule import Router
 
 from .conftest import CASCADE, VOCAB, tiny_costs, tiny_llama
 from .test_batching import PAD, continuous, hf_batched_greedy, row_alone

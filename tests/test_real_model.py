@@ -9,8 +9,8 @@ import torch
 
 from early_exit_router import EarlyExitRouter
 from early_exit_router.cli import main
-from early_exit_router.models.loading import alias_gguf_path, shipped_checkpoint
-from early_exit_router.runtime.checkpoint import is_router_dir, load_router
+from early_exit_router.heads.checkpoint import is_router_dir, load_router, shipped_checkpoint
+from early_exit_router.models.loading import alias_gguf_path
 
 from .conftest import assert_cache_matches_full_forward
 
@@ -147,8 +147,9 @@ def test_export_draft_accepts_the_shipped_heads(smol, tmp_path, index):
     """The first exit (a postnorm map) and the middle one (a residual block: one more layer in the draft)."""
     from transformers import AutoModelForCausalLM
 
-    from early_exit_router.runtime.heads import BLOCK_KINDS, exit_logits
-    from early_exit_router.tools.export import export_draft
+    from early_exit_router.heads.block import BLOCK_KINDS
+    from early_exit_router.heads.draft import exit_logits
+    from early_exit_router.integrations.export import export_draft
 
     layer = smol.exit_layers[index]
     kind = smol.heads.kinds[layer]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.tools.head_report import cascade, exit_signals, quality_table, suggest_high_threshold
-from early_exit_router.tools.training import (
+from early_exit_router.training.head_report import cascade, exit_signals, quality_table, suggest_high_threshold
+from early_exit_router.training.training import (
     HiddenStateCache,
     TrainingConfig,
     build_cache,
@@ -175,7 +175,7 @@ def test_quality_report_replays_the_cascade():
 
 
 def test_auc_and_saved_share_on_known_scores():
-    from early_exit_router.tools.training import roc_auc, saved_at_recall
+    from early_exit_router.training.training import roc_auc, saved_at_recall
 
     positive = torch.tensor([True, True, False, False])
     assert roc_auc(torch.tensor([0.9, 0.8, 0.2, 0.1]), positive) == 1.0
@@ -187,7 +187,7 @@ def test_auc_and_saved_share_on_known_scores():
 
 
 def test_gate_context_replays_ngram_matches_and_running_acceptance():
-    from early_exit_router.tools.training import HiddenStateCache, gate_context
+    from early_exit_router.training.training import HiddenStateCache, gate_context
 
     tokens = [1, 2, 3, 1, 2, 3, 1, 2]
     cache = HiddenStateCache({}, torch.zeros(8, 4), torch.tensor(tokens[1:] + [-1]), chunk_len=8)
@@ -198,7 +198,7 @@ def test_gate_context_replays_ngram_matches_and_running_acceptance():
 
 
 def test_gates_with_context_train_save_and_steer_nothing_in_verify_mode(tmp_path):
-    from early_exit_router.runtime.checkpoint import load_router
+    from early_exit_router.heads.checkpoint import load_router
 
     router, train, holdout, cfg = trained_router()
     model = router.model
@@ -219,8 +219,8 @@ def test_gates_with_context_train_save_and_steer_nothing_in_verify_mode(tmp_path
 def test_context_gates_see_the_ngram_match_of_the_current_context(monkeypatch):
     """The engine memoises the gates' n-gram features per position (from the step's own proposal scan when there
     is one); every gate call must still see what a fresh scan of the context would say, rollbacks included."""
-    from early_exit_router.runtime.engine import Engine
-    from early_exit_router.runtime.ngram import ngram_match
+    from early_exit_router.decode.engine import Engine
+    from early_exit_router.routing.ngram import ngram_match
 
     router, train, holdout, cfg = trained_router()
     train_gates(router, train, holdout, cfg, context=True)
@@ -245,8 +245,8 @@ def test_context_gates_see_the_ngram_match_of_the_current_context(monkeypatch):
 def test_a_rollback_forgets_the_gates_ngram_memo():
     """A rolled-back context can regrow to the same length with another tail: the gate must then see the new
     context's n-gram match, not the one memoised before the rollback."""
-    from early_exit_router.runtime.engine import DecodeRequest
-    from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
+    from early_exit_router.decode.engine import DecodeRequest
+    from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 
     router, train, holdout, cfg = trained_router()
     train_gates(router, train, holdout, cfg, context=True)
@@ -273,8 +273,8 @@ def test_a_rollback_forgets_the_gates_ngram_memo():
 
 
 def test_ngram_proposals_replay_the_tiers_match_on_every_prefix():
-    from early_exit_router.runtime.ngram import ngram_match
-    from early_exit_router.tools.training import HiddenStateCache, ngram_proposals
+    from early_exit_router.routing.ngram import ngram_match
+    from early_exit_router.training.training import HiddenStateCache, ngram_proposals
 
     n, chunks = 48, 3
     nexts = torch.randint(0, 4, (n * chunks,), generator=torch.Generator().manual_seed(5))  # few ids: many repeats
@@ -291,7 +291,7 @@ def test_ngram_proposals_replay_the_tiers_match_on_every_prefix():
 def test_head_gates_are_the_confidence_the_router_compares(tmp_path):
     """A head gate runs after the head; its P(agree) replaces the maximum probability in the thresholds, in the
     engine, in batches and in the offline replay; it saves and loads; verify mode stays exact."""
-    from early_exit_router.runtime.checkpoint import load_router
+    from early_exit_router.heads.checkpoint import load_router
     from tests.test_batching import left_padded, row_alone
 
     router, train, holdout, cfg = trained_router()
@@ -330,7 +330,7 @@ def test_head_gates_are_the_confidence_the_router_compares(tmp_path):
 
 
 def test_generated_prompts_are_seeded_mixed_and_never_held_out_text():
-    from early_exit_router.tools.corpus import generated_prompts
+    from early_exit_router.training.corpus import generated_prompts
 
     prompts = generated_prompts(120, seed=3)
     assert prompts == generated_prompts(120, seed=3) and prompts != generated_prompts(120, seed=4)
@@ -343,7 +343,7 @@ def test_generated_prompts_are_seeded_mixed_and_never_held_out_text():
 
 
 def test_fresh_prompts_are_none_of_the_excluded_ones_and_never_repeat():
-    from early_exit_router.tools.corpus import fresh_prompts, generated_prompts
+    from early_exit_router.training.corpus import fresh_prompts, generated_prompts
 
     training = generated_prompts(100, seed=0)
     fresh = fresh_prompts(60, seed=0, exclude=training)
@@ -358,7 +358,7 @@ def test_fresh_prompts_are_none_of_the_excluded_ones_and_never_repeat():
 
 
 def test_sampled_self_generation_is_seeded_and_differs_from_greedy():
-    from early_exit_router.tools.corpus import self_generated
+    from early_exit_router.training.corpus import self_generated
 
     model, tokenizer = tiny_llama(0), tiny_tokenizer()
     tokenizer.pad_token = "<unk>"  # batches are padded
@@ -374,7 +374,7 @@ def test_cli_warm_starts_one_exit_from_saved_heads_and_reuses_saved_hidden_state
     import json
 
     from early_exit_router.cli import main
-    from early_exit_router.runtime.checkpoint import load_router
+    from early_exit_router.heads.checkpoint import load_router
 
     base = tmp_path / "base"
     tiny_llama(0).save_pretrained(base)
@@ -421,7 +421,7 @@ def test_cli_warm_starts_one_exit_from_saved_heads_and_reuses_saved_hidden_state
 def test_gates_fit_on_held_out_chunks_the_adapters_never_saw(monkeypatch):
     """A head is right more often on its own training text, so a gate fit there trusts it too much: `distill_router`
     fits the gates on part of the held-out chunks and scores them on the rest."""
-    from early_exit_router.tools import training
+    from early_exit_router.training import training
 
     seen = {}
     real_heads, real_gates = training.train_heads, training.train_gates
@@ -463,7 +463,7 @@ def test_the_shipped_heads_recipe_runs_end_to_end_as_one_command(tmp_path):
     import sys
     from pathlib import Path
 
-    from early_exit_router.runtime.checkpoint import load_router
+    from early_exit_router.heads.checkpoint import load_router
 
     base = tmp_path / "base"
     tiny_llama(0, layers=26).save_pretrained(base)

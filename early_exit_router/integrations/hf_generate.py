@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from transformers.generation.configuration_utils import GenerationMode
 
+from early_exit_router.decode.engine import DecodeRequest
+from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.models import _compat
-from early_exit_router.runtime.engine import DecodeRequest
-from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
 
 ROUTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 

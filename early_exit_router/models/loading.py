@@ -162,21 +162,3 @@ def load_base_model(
         f"({', '.join(ALIASES)}), a local HF model folder, a .gguf file, or a saved router folder. "
         "Models are never downloaded from a hub."
     )
-
-
-def shipped_checkpoint(alias: str) -> Path | None:
-    """The folder of trained heads shipped for `alias`, from an installed wheel or a checkout, if any."""
-    entry = ALIASES.get(alias)
-    if entry is None or entry.checkpoint is None:
-        return None
-    from importlib import resources
-
-    from early_exit_router.runtime.checkpoint import is_router_dir
-
-    candidates: list[Path] = []
-    try:
-        candidates.append(Path(str(resources.files("early_exit_router.checkpoints"))) / entry.checkpoint)
-    except ModuleNotFoundError:
-        pass
-    candidates.append(Path(__file__).resolve().parents[2] / "checkpoints" / entry.checkpoint)
-    return next((c for c in candidates if is_router_dir(c)), None)

@@ -25,9 +25,9 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from early_exit_router.decode.sampling import SamplingParams
 from early_exit_router.integrations.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from early_exit_router.integrations.server.scheduler import Job, JobResult, QueueFull, Scheduler
-from early_exit_router.runtime.sampling import SamplingParams
 
 
 @dataclass
@@ -364,6 +364,6 @@ class _StatsCollector:
 
 
 def _version() -> str:
-    from early_exit_router import __version__
+    from early_exit_router._version import __version__
 
     return __version__

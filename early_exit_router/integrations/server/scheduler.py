@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from early_exit_router.config import RouterConfig
+from early_exit_router.decode.batch_engine import BatchDecode, BatchRow, new_batch, per_row
+from early_exit_router.decode.engine import DecodeRequest, Decoding, Engine
+from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+from early_exit_router.decode.stats import GenerationStats
 from early_exit_router.models import _compat
-from early_exit_router.runtime.batch_engine import BatchDecode, BatchRow, new_batch, per_row
-from early_exit_router.runtime.engine import DecodeRequest, Decoding, Engine
-from early_exit_router.runtime.routing import Router
-from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
-from early_exit_router.stats import GenerationStats
+from early_exit_router.routing.exit_rule import Router
 
 
 class QueueFull(RuntimeError):

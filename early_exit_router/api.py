@@ -14,29 +14,32 @@ from typing import Any
 import torch
 from torch import nn
 
-from early_exit_router import __version__
+from early_exit_router._version import __version__
 from early_exit_router.config import MODES, RouterConfig
-from early_exit_router.integrations.hf_generate import RoutedGenerate
-from early_exit_router.models import _compat
-from early_exit_router.models.architecture import LayerStack
-from early_exit_router.models.discovery import stack_for
-from early_exit_router.models.loading import load_base_model, resolve_alias, shipped_checkpoint
-from early_exit_router.runtime.batch_engine import BatchEngine, combined_stats, padded_sequences, per_row
-from early_exit_router.runtime.checkpoint import (
+from early_exit_router.decode.batch_engine import BatchEngine, combined_stats, padded_sequences, per_row
+from early_exit_router.decode.engine import DecodeRequest, Engine
+from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+from early_exit_router.decode.stats import GenerationStats
+from early_exit_router.heads.adapters import needs_context
+from early_exit_router.heads.block import block_source
+from early_exit_router.heads.checkpoint import (
     BaseModelIdentity,
     head_fingerprint,
     head_hash,
     is_router_dir,
     load_router,
     save_router,
+    shipped_checkpoint,
 )
-from early_exit_router.runtime.costs import CostModel, cost_key, cost_model_for
-from early_exit_router.runtime.engine import DecodeRequest, Engine
-from early_exit_router.runtime.heads import DRAFT_RANKING, ExitHeads, block_source, needs_context
-from early_exit_router.runtime.ngram import SuffixStore
-from early_exit_router.runtime.routing import Router
-from early_exit_router.runtime.sampling import SamplingParams, TokenSelector
-from early_exit_router.stats import GenerationStats
+from early_exit_router.heads.exit_heads import DRAFT_RANKING, ExitHeads
+from early_exit_router.integrations.hf_generate import RoutedGenerate
+from early_exit_router.models import _compat
+from early_exit_router.models.architecture import LayerStack
+from early_exit_router.models.discovery import stack_for
+from early_exit_router.models.loading import load_base_model, resolve_alias
+from early_exit_router.routing.costs import CostModel, cost_key, cost_model_for
+from early_exit_router.routing.exit_rule import Router
+from early_exit_router.routing.ngram import SuffixStore
 
 ROUTER_ATTR = "_early_exit_router"  # back-reference, to refuse patching one model twice
 GENERATE_ATTR = "generate"  # instance attribute: model.generate() routes through the router

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from early_exit_router.runtime.heads import BLOCK_KINDS
+from early_exit_router.heads.block import BLOCK_KINDS
 
 FOLDABLE_ADAPTERS = ("identity", "postnorm", "block", "residual_block")
 

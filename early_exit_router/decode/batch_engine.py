@@ -34,13 +34,15 @@ from typing import Any
 import torch
 
 from early_exit_router.config import RouterConfig
+from early_exit_router.decode.engine import DecodeRequest
+from early_exit_router.decode.sampling import TokenSelector
+from early_exit_router.decode.stats import GenerationStats
+from early_exit_router.heads.draft import draft_logits
+from early_exit_router.heads.exit_heads import ExitHeads
+from early_exit_router.heads.gates import gate_probability, uses_head
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
-from early_exit_router.runtime.engine import DecodeRequest
-from early_exit_router.runtime.heads import ExitHeads, draft_logits, gate_probability, uses_head
-from early_exit_router.runtime.routing import Router
-from early_exit_router.runtime.sampling import TokenSelector
-from early_exit_router.stats import GenerationStats
+from early_exit_router.routing.exit_rule import Router
 
 MIN_EXIT_RATE = 0.1  # cost policy: below this share of consultations that exit, an exit is only probed
 WARMUP = 8  # consultations before that rule applies
@@ -510,7 +512,7 @@ def new_batch(stack: LayerStack, heads: ExitHeads, router: Router, config: Route
               store: Any = None) -> BatchDecode:  # fmt: skip
     """An empty batch of the design `config`, `mode` and the rows' sampling call for (see `per_row`)."""
     if per_row(config, mode, sampling):
-        from early_exit_router.runtime.ragged_batch import RaggedVerifyDecode
+        from early_exit_router.decode.ragged_batch import RaggedVerifyDecode
 
         return RaggedVerifyDecode(stack, heads, router, config, mode, pad_token_id, costs, store)
     return BatchDecode(stack, heads, router, config, mode, pad_token_id)

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from early_exit_router.config import RouterConfig
-from early_exit_router.runtime.heads import gate_probability, uses_head
-from early_exit_router.runtime.policy import AcceptanceTracker
-from early_exit_router.runtime.routing import Router
-from early_exit_router.tools.training import (
+from early_exit_router.heads.gates import gate_probability, uses_head
+from early_exit_router.routing.exit_rule import Router
+from early_exit_router.routing.policy import AcceptanceTracker
+from early_exit_router.training.training import (
     HiddenStateCache,
     batch_size_for,
     gate_context,

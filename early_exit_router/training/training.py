@@ -25,16 +25,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from early_exit_router.runtime.heads import (
-    DraftHead,
-    LearnedGate,
-    draft_token_ranking,
-    exit_normed,
-    head_features,
-    logits_from_normed,
-    needs_context,
-)
-from early_exit_router.runtime.policy import AcceptanceTracker
+from early_exit_router.heads.adapters import needs_context
+from early_exit_router.heads.draft import DraftHead, draft_token_ranking, exit_normed, logits_from_normed
+from early_exit_router.heads.gates import LearnedGate, head_features
+from early_exit_router.routing.policy import AcceptanceTracker
 
 
 @dataclass
@@ -574,7 +568,7 @@ def corpus_sequences(
     """Token sequences to train on and their manifest: the model's own greedy answers to the prompt set (repeated
     `self_gen_repeats` times), to `extra_prompts` generated prompts, and with `sampled` a sampled answer to every
     prompt; then package READMEs up to `max_tokens`."""
-    from early_exit_router.tools.corpus import generated_prompts, load_prompts, package_descriptions, self_generated
+    from early_exit_router.training.corpus import generated_prompts, load_prompts, package_descriptions, self_generated
 
     tokenizer = router.tokenizer
     if tokenizer is None:
@@ -630,7 +624,7 @@ def gate_sequences(
     """Text for fitting the gates alone, and its manifest: the model's own greedy and sampled answers to `count`
     fresh prompts (`corpus.fresh_prompts`: seeded, none of them in `exclude`, the training prompts). No adapter
     trains on it, so a gate fit there learns how often a head is right on text it never saw."""
-    from early_exit_router.tools.corpus import fresh_prompts, self_generated
+    from early_exit_router.training.corpus import fresh_prompts, self_generated
 
     prompts = fresh_prompts(count, seed, exclude)
     start = time.perf_counter()
@@ -695,7 +689,7 @@ def distill_router(
     With `target_agreement`, the confidence rule's threshold (`high_conf_threshold = low_conf_threshold`) is set to
     the lowest value whose replayed cascade keeps that agreement on the held-out positions.
     """
-    from early_exit_router.tools.head_report import as_dicts, exit_signals, quality_table, suggest_high_threshold
+    from early_exit_router.training.head_report import as_dicts, exit_signals, quality_table, suggest_high_threshold
 
     start = time.perf_counter()
     if cache is None:

@@ -26,22 +26,19 @@ import torch
 from transformers.utils import logging
 
 from early_exit_router.config import RouterConfig
+from early_exit_router.decode.sampling import TokenSelector
+from early_exit_router.decode.stats import GenerationStats
+from early_exit_router.heads.adapters import needs_context
+from early_exit_router.heads.block import BlockContext
+from early_exit_router.heads.draft import draft_logits
+from early_exit_router.heads.exit_heads import ExitHeads
+from early_exit_router.heads.gates import gate_probability, uses_head
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
-from early_exit_router.runtime.costs import CostModel
-from early_exit_router.runtime.heads import (
-    BlockContext,
-    ExitHeads,
-    draft_logits,
-    gate_probability,
-    needs_context,
-    uses_head,
-)
-from early_exit_router.runtime.ngram import SuffixStore, ngram_match, prefer_stored
-from early_exit_router.runtime.policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
-from early_exit_router.runtime.routing import FULL_DEPTH, Router, RoutingState
-from early_exit_router.runtime.sampling import TokenSelector
-from early_exit_router.stats import GenerationStats
+from early_exit_router.routing.costs import CostModel
+from early_exit_router.routing.exit_rule import FULL_DEPTH, Router, RoutingState
+from early_exit_router.routing.ngram import SuffixStore, ngram_match, prefer_stored
+from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
 
 logger = logging.get_logger(__name__)
 NGRAM_LAYER = -1  # exit-histogram key of the zero-layer n-gram tier

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from early_exit_router.config import RouterConfig
-from early_exit_router.runtime.heads import DRAFT_RANKING
+from early_exit_router.heads.exit_heads import DRAFT_RANKING
+from early_exit_router.models.loading import ALIASES
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "early_exit_config.json"
@@ -172,3 +174,17 @@ def load_router(path: str | Path) -> SavedRouter:
     if ranking is not None and (ranking.is_floating_point() or ranking.dim() != 1):
         raise ValueError(f"{weights_file}: {DRAFT_RANKING} must be a 1-D integer tensor of token ids; re-save it.")
     return SavedRouter(config, identity, exit_layers, has_gates, tensors)
+
+
+def shipped_checkpoint(alias: str) -> Path | None:
+    """The folder of trained heads shipped for `alias`, from an installed wheel or a checkout, if any."""
+    entry = ALIASES.get(alias)
+    if entry is None or entry.checkpoint is None:
+        return None
+    candidates: list[Path] = []
+    try:
+        candidates.append(Path(str(resources.files("early_exit_router.checkpoints"))) / entry.checkpoint)
+    except ModuleNotFoundError:
+        pass
+    candidates.append(Path(__file__).resolve().parents[2] / "checkpoints" / entry.checkpoint)
+    return next((c for c in candidates if is_router_dir(c)), None)

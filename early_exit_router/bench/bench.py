@@ -35,8 +35,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
-from early_exit_router.tools.compute import ComputeMeter
-from early_exit_router.tools.metrics import first_divergence, nll_ratio, rouge_l, teacher_forced_score, token_match
+from early_exit_router.bench.compute import ComputeMeter
+from early_exit_router.bench.metrics import first_divergence, nll_ratio, rouge_l, teacher_forced_score, token_match
 
 CONTROL = "plain HF generate"
 ENGINE_CONTROL = "router, exits off"
@@ -535,7 +535,7 @@ def format_markdown(result: BenchResult) -> str:
             ]
             lines.append("| " + " | ".join(cells) + " |")
     if meta.get("cost_model"):
-        from early_exit_router.runtime.costs import CostModel
+        from early_exit_router.routing.costs import CostModel
 
         lines += ["", "### cost model the policy decided from", "", CostModel.from_dict(meta["cost_model"]).markdown()]
     return "\n".join(lines)

@@ -30,15 +30,15 @@ from __future__ import annotations
 import torch
 
 from early_exit_router.config import RouterConfig
+from early_exit_router.decode.batch_engine import BatchDecode, BatchRow
+from early_exit_router.decode.engine import NGRAM_LAYER
+from early_exit_router.heads.exit_heads import ExitHeads
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
-from early_exit_router.runtime.batch_engine import BatchDecode, BatchRow
-from early_exit_router.runtime.costs import CostModel
-from early_exit_router.runtime.engine import NGRAM_LAYER
-from early_exit_router.runtime.heads import ExitHeads
-from early_exit_router.runtime.ngram import SuffixStore, ngram_match, prefer_stored
-from early_exit_router.runtime.policy import MARGIN, AcceptanceTracker, TierKey, expected_tokens
-from early_exit_router.runtime.routing import Router
+from early_exit_router.routing.costs import CostModel
+from early_exit_router.routing.exit_rule import Router
+from early_exit_router.routing.ngram import SuffixStore, ngram_match, prefer_stored
+from early_exit_router.routing.policy import MARGIN, AcceptanceTracker, TierKey, expected_tokens
 
 COMPACT_WASTE = 0.25  # compact when holes make the cache this share longer than its longest row's real slots
 COMPACT_MIN = 16  # ... and at least this many slots longer

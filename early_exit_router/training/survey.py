@@ -20,11 +20,14 @@ from typing import Any
 
 import torch
 
+from early_exit_router.heads.adapters import needs_context
+from early_exit_router.heads.block import BLOCK_KINDS, block_source
+from early_exit_router.heads.draft import exit_normed
+from early_exit_router.heads.exit_heads import make_adapter
 from early_exit_router.models.architecture import dense
-from early_exit_router.runtime.costs import CostModel
-from early_exit_router.runtime.heads import BLOCK_KINDS, block_source, exit_normed, make_adapter, needs_context
-from early_exit_router.runtime.policy import DraftPolicy
-from early_exit_router.tools.training import HiddenStateCache, chunk_positions, coverage_at, distillation_loss
+from early_exit_router.routing.costs import CostModel
+from early_exit_router.routing.policy import DraftPolicy
+from early_exit_router.training.training import HiddenStateCache, chunk_positions, coverage_at, distillation_loss
 
 
 @dataclass

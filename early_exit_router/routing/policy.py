@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from early_exit_router.runtime.costs import CostModel
+from early_exit_router.routing.costs import CostModel
 
 TierKey = tuple[str, int]  # ("exit", exit index), ("ngram", match length); exit mode: ("ask", exit index)
 MARGIN = 0.03  # drafting must beat plain decoding by this share, so that a near-tie decodes plainly
@@ -98,7 +98,7 @@ class DraftPolicy:
     @classmethod
     def for_config(cls, costs: CostModel, config: Any, heads: Any) -> DraftPolicy:
         """The policy over a router config's consulted exits (each with its gate's cost where it has one in use)."""
-        from early_exit_router.runtime.heads import needs_context
+        from early_exit_router.heads.adapters import needs_context
 
         exits = config.consulted_exit_layers()
         gates = [config.use_gate and heads.gate(e) is not None for e in exits]

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from early_exit_router.heads.exit_heads import ExitHeads
 from early_exit_router.models.architecture import LayerStack
-from early_exit_router.runtime.heads import ExitHeads
 
 
 def matrix_macs(module: nn.Module) -> int:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from early_exit_router.tools.bench import CONTROL, BenchConfig, format_value, run_bench, threshold_overrides
+from early_exit_router.bench.bench import CONTROL, BenchConfig, format_value, run_bench, threshold_overrides
 
 DEFAULT_CANDIDATES = (0.99, 0.97, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 

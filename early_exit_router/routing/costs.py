@@ -141,7 +141,7 @@ def cost_key(stack: Any, draft_vocab_size: int, max_chunk: int) -> dict[str, Any
     """What the measured costs depend on: the model's shape, the device, dtype, threads and library versions."""
     import transformers
 
-    from early_exit_router import __version__
+    from early_exit_router._version import __version__
 
     cfg = stack.config
     device = stack.device
@@ -231,8 +231,10 @@ def measure(
     The chunk lengths are swept `rounds` times, interleaved, and each entry is the median of its rounds' medians:
     a transient slowdown (another process, a kernel's first call at a new shape) then spoils one round of a few
     entries, not the table. A real plain decoding step is timed too, as a check printed beside the table."""
+    from early_exit_router.heads.adapters import needs_context
+    from early_exit_router.heads.draft import draft_logits
+    from early_exit_router.heads.gates import gate_probability
     from early_exit_router.models._compat import crop_cache_layer, prepare_for_rollback
-    from early_exit_router.runtime.heads import draft_logits, gate_probability, needs_context
 
     device, dtype, hidden = stack.device, stack.dtype, stack.hidden_size
     timed = _timer(device, reps)

@@ -1,0 +1,1 @@
+"""The decode core: one loop for one sequence or a batch, with layer-wise KV filling."""

@@ -1,0 +1,85 @@
+"""What an exit feeds its LM head, and the trimmed draft head (the LM head over the most frequent token ids only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from early_exit_router.heads.adapters import needs_context
+from early_exit_router.models.architecture import dense
+
+
+def exit_normed(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
+    """What an exit feeds its LM head: the adapter (before or after the final norm) and the final norm.
+
+    A block adapter needs the context: `hidden` is then (b, m, hidden), one chunk of consecutive positions from the
+    start of the text (as in training); the engine runs blocks through their `BlockContext` instead."""
+    if adapter is None:
+        return stack.final_norm(hidden)
+    if getattr(adapter, "post_norm", False):
+        return adapter(stack.final_norm(hidden))
+    if needs_context(adapter):
+        return after_block(adapter, stack.final_norm(adapter(hidden, stack)))
+    return stack.final_norm(adapter(hidden))
+
+
+def after_block(adapter: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+    """A block adapter's post-norm map (a `residual_block`'s), applied to the final norm of the block's output."""
+    post = getattr(adapter, "post", None)
+    return normed if post is None else post(normed)
+
+
+def exit_logits(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
+    """Exit-head logits `(..., vocab)` for hidden states `(..., hidden)`; adapter None is the logit lens."""
+    return stack.unembed(exit_normed(stack, adapter, hidden))
+
+
+class DraftHead(nn.Module):
+    """The model's LM head restricted to a fixed set of token ids (a vocabulary-trimmed draft head, as in FR-Spec).
+
+    A draft only has to propose tokens the deep pass will check with the full head, so a head over the K most
+    frequent ids proposes nearly every token the full one would, at K / vocab of its cost (and its slice of the
+    weight stays in cache). The weight slice is a copy: K x hidden values beside the base model.
+    """
+
+    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor) -> None:
+        super().__init__()
+        # dense(): a quantized LM head gives dense rows, so the draft head stays in the compute dtype.
+        token_ids = token_ids.to(lm_head.weight.device)
+        self.register_buffer("token_ids", token_ids, persistent=False)
+        self.register_buffer("weight", dense(lm_head.weight.detach())[token_ids].clone(), persistent=False)
+        bias = getattr(lm_head, "bias", None)
+        rows = None if bias is None else dense(bias.detach())[token_ids].clone()
+        self.register_buffer("bias", rows, persistent=False)
+
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., K) logits over `token_ids`."""
+        return torch.nn.functional.linear(normed, self.weight, self.bias)
+
+
+def draft_logits(stack: Any, adapter: nn.Module | None, draft: DraftHead | None, hidden: torch.Tensor) -> torch.Tensor:
+    """An exit's draft logits `(..., vocab)`: the trimmed head's logits, -inf outside its token set (the full
+    exit head when `draft` is None). Full-width rows keep logits processors, sampling and the speculative-sampling
+    rule unchanged: a draft distribution that is zero outside the set is still a valid q."""
+    return logits_from_normed(stack, draft, exit_normed(stack, adapter, hidden))
+
+
+def logits_from_normed(stack: Any, draft: DraftHead | None, normed: torch.Tensor) -> torch.Tensor:
+    """The head's logits `(..., vocab)` for normed states: the trimmed head's (-inf outside its ids), or the full
+    LM head's when `draft` is None."""
+    if draft is None:
+        return stack.unembed(normed)
+    sub = stack.finish_logits(draft(normed))  # (..., K)
+    full = torch.full((*sub.shape[:-1], stack.vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
+    return full.index_copy_(-1, draft.token_ids, sub)
+
+
+def draft_token_ranking(top1: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(vocab,) token ids ordered by how often they are the model's top-1 prediction in `top1` (ties: lower id
+    first, so that ids never predicted keep their BPE order behind the predicted ones). FR-Spec's frequency-ranked
+    vocabulary, from the model's own predictions."""
+    counts = torch.bincount(top1.flatten().cpu(), minlength=vocab_size)[:vocab_size]
+    # Stable descending sort: equal counts keep ascending id order.
+    return torch.sort(-counts, stable=True).indices

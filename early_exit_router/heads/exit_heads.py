@@ -1,0 +1,122 @@
+"""`ExitHeads`: the adapter (and optional learned gate) of every exit layer, and the trimmed draft head's ranking.
+
+Only the adapters and gates are parameters of their own: the final norm and LM head are the base model's, shared and
+never copied. Each exit has its own adapter kind (`RouterConfig.exit_adapters`): the shipped heads spend a block where
+it buys the most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from early_exit_router.heads.adapters import (
+    IdentityAdapter,
+    LinearAdapter,
+    LowRankAdapter,
+    PostNormAdapter,
+    needs_context,
+)
+from early_exit_router.heads.block import BLOCK_KINDS, BlockAdapter
+from early_exit_router.heads.draft import DraftHead
+from early_exit_router.heads.gates import LearnedGate
+
+DRAFT_RANKING = "draft_ranking"  # state_dict key of ExitHeads' token ranking for the trimmed draft head
+
+
+def make_adapter(kind: str, hidden_size: int, rank: int, block: Callable[..., BlockAdapter] | None = None) -> nn.Module:
+    """A fresh adapter of `kind`; "block" and "residual_block" need `block`, which builds them from the base
+    model's layers."""
+    if kind in BLOCK_KINDS:
+        if block is None:
+            raise ValueError(f"A {kind!r} adapter is built from the base model's layers: pass block_source(stack).")
+        return block(residual=kind == "residual_block")
+    if kind == "identity":
+        return IdentityAdapter()
+    if kind == "linear":
+        return LinearAdapter(hidden_size)
+    if kind == "lowrank":
+        return LowRankAdapter(hidden_size, rank)
+    if kind == "postnorm":
+        return PostNormAdapter(hidden_size)
+    raise ValueError(f"Unknown adapter kind {kind!r}")
+
+
+class ExitHeads(nn.Module):
+    """The adapters (and optional gates) of every exit layer, keyed by the layer index as a string."""
+
+    def __init__(
+        self,
+        exit_layers: list[int],
+        hidden_size: int,
+        adapter: str | dict[int, str],
+        rank: int,
+        blocks: Callable[..., BlockAdapter] | None = None,
+    ) -> None:
+        """`adapter`: one kind for every exit, or the kind of each exit ({layer: kind})."""
+        super().__init__()
+        self.exit_layers = list(exit_layers)
+        self.kinds = {e: adapter if isinstance(adapter, str) else adapter[e] for e in self.exit_layers}
+
+        def block(e: int) -> Callable[..., BlockAdapter] | None:
+            return None if blocks is None else lambda **kw: blocks(e, **kw)
+
+        self.adapters = nn.ModuleDict(
+            {str(e): make_adapter(self.kinds[e], hidden_size, rank, block(e)) for e in exit_layers}
+        )
+        self.gates = nn.ModuleDict()
+
+    def adapter(self, layer: int) -> nn.Module:
+        return self.adapters[str(layer)]
+
+    def context_exits(self) -> list[int]:
+        """Exit layers whose adapter reads the context (block adapters)."""
+        return [e for e in self.exit_layers if needs_context(self.adapter(e))]
+
+    def gate(self, layer: int) -> nn.Module | None:
+        key = str(layer)
+        return self.gates[key] if key in self.gates else None
+
+    def draft_head(self, stack: Any, size: int) -> DraftHead | None:
+        """The trimmed draft head over `size` token ids (None when `size` covers the vocabulary).
+
+        The ids are the first `size` of `draft_ranking` (the model's own most frequent next tokens, measured when
+        the heads were trained), or else the first `size` ids, whose BPE merge order follows frequency roughly.
+        Built once per size, device, dtype and head weight, and kept outside the module tree (a plain attribute),
+        so that it never enters a state_dict."""
+        if size <= 0 or size >= stack.vocab_size:
+            return None
+        weight = stack.lm_head.weight
+        key = (size, weight.device, weight.dtype, weight.data_ptr())
+        cached = self.__dict__.setdefault("_draft_heads", {})
+        if key not in cached:
+            cached.clear()  # one size at a time: a stale slice is memory for nothing
+            ranking = self.draft_token_ranking()
+            ids = torch.arange(size) if ranking is None else ranking[:size].sort().values.cpu()
+            cached[key] = DraftHead(stack.lm_head, ids)
+        return cached[key]
+
+    def draft_token_ranking(self) -> torch.Tensor | None:
+        """(vocab,) every token id, most frequent model prediction first; None when none was measured."""
+        return self._buffers.get(DRAFT_RANKING)
+
+    def set_draft_token_ranking(self, ranking: torch.Tensor, vocab_size: int) -> None:
+        """Store the token ranking the trimmed draft head takes its ids from (saved with the heads)."""
+        ranking = torch.as_tensor(ranking).detach().to(torch.long).flatten().cpu()
+        if ranking.numel() != vocab_size or not torch.equal(ranking.sort().values, torch.arange(vocab_size)):
+            raise ValueError(f"A draft token ranking must order every one of the {vocab_size} token ids exactly once.")
+        device = next((p.device for p in self.parameters()), ranking.device)
+        self.register_buffer(DRAFT_RANKING, ranking.to(device))
+        self.__dict__.pop("_draft_heads", None)
+
+    def add_gates(self, hidden_size: int, context: bool = False, head: bool = False) -> None:
+        """Give every exit a (zero-initialised) learned gate, with context and head features or not; training fills
+        them."""
+        for e in self.exit_layers:
+            self.gates[str(e)] = LearnedGate(hidden_size, context, head)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
