@@ -561,7 +561,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         )
         cache = None
         if states is not None:
-            cache = build_cache(router._stack, router.exit_layers, sequences, cfg.chunk_len, progress=not args.quiet)
+            cache = build_cache(router.stack, router.exit_layers, sequences, cfg.chunk_len, progress=not args.quiet)
             cache.save(states)
     gate_cache, gate_manifest = _gate_cache(router, args, cfg.chunk_len if cache is None else cache.chunk_len)
     result = distill_router(
@@ -619,7 +619,7 @@ def _gate_cache(router: Any, args: argparse.Namespace, chunk_len: int) -> tuple[
     sequences, manifest = gate_sequences(
         router, args.gate_prompts, args.self_gen_tokens or 96, args.seed, exclude, progress=not args.quiet
     )
-    cache = build_cache(router._stack, router.exit_layers, sequences, chunk_len, progress=not args.quiet)
+    cache = build_cache(router.stack, router.exit_layers, sequences, chunk_len, progress=not args.quiet)
     if states is not None:
         cache.save(states)
     return cache, manifest
@@ -643,7 +643,7 @@ def cmd_eval_heads(args: argparse.Namespace) -> int:
         sources[name] = [tok(text, add_special_tokens=False).input_ids[: args.max_tokens]]
     tables = {}
     for name, sequences in sources.items():
-        cache = build_cache(router._stack, router.exit_layers, sequences, chunk_len=256, progress=False)
+        cache = build_cache(router.stack, router.exit_layers, sequences, chunk_len=256, progress=False)
         rows = quality_table(exit_signals(router, cache))
         tables[name] = {"positions": len(cache), "rows": as_dicts(rows)}
         print(format_table(f"{name}: {len(cache)} positions", rows) + "\n")
@@ -730,6 +730,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.routing.ngram import Proposal
     from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy
 
     router = EarlyExitRouter.from_pretrained(
@@ -755,7 +756,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             d, rate = policy.best_draft(a, lambda d, i=i: policy.exit_cycle_ms(i, d), budget)
             cells.append(f"d={d}: {rate / policy.plain_rate:.2f}x")
         print(f"| {a:.2f} | " + " | ".join(cells) + " |")
-    chosen = policy.plan(AcceptanceTracker(prior=router.config.acceptance_prior), budget, [0] * 8, 2)
+    chosen = policy.plan(AcceptanceTracker(prior=router.config.acceptance_prior), budget, [Proposal([0] * 8, 2)])
     print(
         f"\nAt the prior acceptance {router.config.acceptance_prior:.2f}, a cycle with an n-gram proposal runs: "
         f"{chosen.kind}" + (f", {chosen.max_draft} drafts" if chosen.max_draft else "")
@@ -772,7 +773,7 @@ def cmd_survey(args: argparse.Namespace) -> int:
     from early_exit_router.training.training import build_cache, corpus_sequences
 
     router = EarlyExitRouter.from_pretrained(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
-    stack = router._stack
+    stack = router.stack
     layers = args.layers or list(range(stack.num_layers - 1))
     bad = [e for e in layers if not 0 <= e < stack.num_layers - 1]
     if bad:

@@ -35,13 +35,13 @@ def main() -> None:
     router = EarlyExitRouter.from_pretrained(args.model, fresh_heads=True, exit_layers=layers)
     tok = router.tokenizer
     sequences, _ = corpus_sequences(router, args.max_tokens)
-    train_cache = build_cache(router._stack, layers, sequences)
+    train_cache = build_cache(router.stack, layers, sequences)
     dev_prompts = load_prompts(shipped=DEV_PROMPTS)
     with router.disabled() as model:
         dev = {"dev answers": self_generated(model, tok, dev_prompts, 96)}
     for name, text in held_out_texts().items():
         dev[name] = [tok(text, add_special_tokens=False).input_ids]
-    dev_caches = {name: build_cache(router._stack, layers, seqs, progress=False) for name, seqs in dev.items()}
+    dev_caches = {name: build_cache(router.stack, layers, seqs, progress=False) for name, seqs in dev.items()}
     base_model = router.unpatch()
 
     results = []

@@ -37,7 +37,7 @@ def main() -> None:
             except ValueError:
                 pass
     router = EarlyExitRouter.from_pretrained(args.model, **overrides)
-    stack = router._stack
+    stack = router.stack
     seconds: dict[str, float] = collections.defaultdict(float)
     units: collections.Counter = collections.Counter()
     run, unembed = stack.run, stack.unembed

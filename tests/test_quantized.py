@@ -30,7 +30,7 @@ def test_a_quantized_base_runs_routed_and_exact(kind):
     ids = prompt(0)
     ref = model.generate(ids, max_new_tokens=20, do_sample=False)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **NEVER_EXIT)
-    assert router._stack.quantized
+    assert router.stack.quantized
     assert torch.equal(router.generate(ids, max_new_tokens=20).sequences, ref)
     router.config = router.config.replace(**dict(MIXED, draft_vocab_size=32))  # a trimmed head from int rows
     out = router.generate(ids, max_new_tokens=20, mode="verify")
@@ -38,7 +38,7 @@ def test_a_quantized_base_runs_routed_and_exact(kind):
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
     # The heads stay dense, in the compute dtype.
     assert all(p.dtype == torch.float32 and type(p) is torch.nn.Parameter for p in router.heads.parameters())
-    assert router.heads.draft_head(router._stack, 32).weight.dtype == torch.float32
+    assert router.heads.draft_head(router.stack, 32).weight.dtype == torch.float32
 
 
 def test_memory_counts_the_quantized_bytes_and_export_refuses_them(tmp_path):
@@ -77,8 +77,8 @@ def test_quantized_loading_keeps_its_own_cost_model_key():
     model = tiny_llama(0)
     quantize_loaded(model, "int8")
     small = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
-    assert cost_key(dense._stack, 0, 8)["weights"] == ["dense"]
-    assert cost_key(small._stack, 0, 8)["weights"] != ["dense"]
+    assert cost_key(dense.stack, 0, 8)["weights"] == ["dense"]
+    assert cost_key(small.stack, 0, 8)["weights"] != ["dense"]
 
 
 def test_the_compute_meter_counts_a_quantized_base_like_the_dense_one():
@@ -87,7 +87,7 @@ def test_the_compute_meter_counts_a_quantized_base_like_the_dense_one():
     counts = []
     for model in (tiny_llama(0), quantized("int4")):
         router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **NEVER_EXIT)
-        with ComputeMeter(router._stack, router.heads) as meter:
+        with ComputeMeter(router.stack, router.heads) as meter:
             router.generate(prompt(0), max_new_tokens=4)
         counts.append((meter.count.layer_macs, meter.count.head_macs))
     assert counts[0] == counts[1] and counts[0][0] > 0

@@ -1,5 +1,5 @@
-"""Batched verify mode, per row (`ragged_batch.py`): each row drafts from the n-gram tier and keeps its own accepted
-prefix; rejected drafts become masked holes in a rectangular cache."""
+"""Batched verify mode, per row (`decode/batch.py`, `verify.longest_prefix`): each row drafts from the n-gram tier and
+keeps its own accepted prefix; rejected drafts become masked holes in a rectangular cache."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.decode import ragged_batch
-from early_exit_router.decode.engine import NGRAM_LAYER, DecodeRequest
-from early_exit_router.decode.ragged_batch import RaggedVerifyDecode
+from early_exit_router.decode import batch as batching
+from early_exit_router.decode.loop import NGRAM_LAYER, Decoder
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
-from early_exit_router.routing.exit_rule import Router
+from early_exit_router.decode.stopping import DecodeRequest
+from early_exit_router.decode.verify import accept_sampled
+from early_exit_router.routing.exit_rule import ExitRule
 
 from .conftest import CASCADE, VOCAB, tiny_costs, tiny_llama
-from .test_batching import PAD, continuous, hf_batched_greedy, row_alone
+from .test_batching import PAD, continuous, hf_batched_greedy
 
 PER_ROW = dict(CASCADE, ngram_tier=True, batch_design="per_row", ngram_store_tokens=0)
 
@@ -35,17 +36,17 @@ def repetitive(lengths: list[int], seed: int = 0, period: int = 4) -> tuple[torc
 def counting_compactions(monkeypatch, always: bool = False) -> list[int]:
     """Counts compactions; `always` compacts after every pass that left a hole."""
     if always:
-        monkeypatch.setattr(ragged_batch, "COMPACT_MIN", 1)
-        monkeypatch.setattr(ragged_batch, "COMPACT_WASTE", 0.0)
+        monkeypatch.setattr(batching, "COMPACT_MIN", 1)
+        monkeypatch.setattr(batching, "COMPACT_WASTE", 0.0)
     count: list[int] = []
-    real = RaggedVerifyDecode._maybe_compact
+    real = batching.maybe_compact
 
-    def wrapped(self):
-        before = self.compactions
-        real(self)
-        count.extend([1] * (self.compactions - before))
+    def wrapped(decoder):
+        compacted = real(decoder)
+        count.extend([1] * compacted)
+        return compacted
 
-    monkeypatch.setattr(RaggedVerifyDecode, "_maybe_compact", wrapped)
+    monkeypatch.setattr(batching, "maybe_compact", wrapped)
     return count
 
 
@@ -101,23 +102,22 @@ def test_the_cache_holds_each_rows_full_forward_after_holes_and_compaction(monke
     compactions = counting_compactions(monkeypatch, always=True)
     model = tiny_llama(0)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **PER_ROW)
-    cfg = router.config
     ids, mask = repetitive([12, 20, 7], 0)
-    batch = RaggedVerifyDecode(router._stack, router.heads, Router(cfg, VOCAB), cfg, "verify", PAD)
-    requests = [DecodeRequest(mode="verify", max_new_tokens=24)] * 3
+    batch = router.decoder(mode="verify", batch=True, pad_token_id=PAD)
+    requests = [DecodeRequest(max_new_tokens=24)] * 3
     selector = TokenSelector(SamplingParams(), ids.device)
     batch.prefill(ids, mask, requests, [selector] * 3)
     while not batch.finished:
         batch.step()
-    assert compactions and sum(row.rejected for row in batch.rows) > 0
-    cached = batch.length - 1
+    assert compactions and sum(row.counters.rejected for row in batch.rows) > 0
+    cached = batch.slots.length - 1
     for r in range(3):
-        real = batch.mask[r, :cached].bool()
-        tokens = batch.seq[r, :cached][real][None]
+        real = batch.slots.mask[r, :cached].bool()
+        tokens = batch.slots.seq[r, :cached][real][None]
         with torch.no_grad():
             full = model(tokens, use_cache=True).past_key_values
         for layer in range(model.config.num_hidden_layers):
-            mine = batch.cache.layers[layer]
+            mine = batch.fill.cache.layers[layer]
             torch.testing.assert_close(mine.keys[r][:, real], full.layers[layer].keys[0], atol=1e-5, rtol=0)
             torch.testing.assert_close(mine.values[r][:, real], full.layers[layer].values[0], atol=1e-5, rtol=0)
 
@@ -125,11 +125,10 @@ def test_the_cache_holds_each_rows_full_forward_after_holes_and_compaction(monke
 def test_rows_joining_and_leaving_equal_each_row_alone():
     model = tiny_llama(0)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **PER_ROW)
-    cfg = router.config
-    batch = RaggedVerifyDecode(router._stack, router.heads, Router(cfg, VOCAB), cfg, "verify", PAD)
+    batch = router.decoder(mode="verify", batch=True, pad_token_id=PAD)
     prompts = [repetitive([n], seed)[0] for n, seed in [(9, 1), (4, 2), (17, 3)]]
     budgets = [14, 10, 8]
-    assert batch.can_join()  # no drafts ever wait in a per-row batch
+    assert batch.can_join()
     join, retire, outputs = continuous(batch, prompts, budgets, "verify")
 
     join(0)
@@ -162,23 +161,19 @@ def test_batched_sampling_in_verify_mode_runs_per_row():
 
 
 def test_the_per_row_sampling_rule_keeps_the_full_models_distribution():
-    """A draft x is accepted with probability p(x), else the token is drawn from p without x: the first emitted
-    token follows p exactly, and the one after an accepted draft follows the next position's p."""
-    model = tiny_llama(0)
-    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **PER_ROW)
-    cfg = router.config
-    batch = RaggedVerifyDecode(router._stack, router.heads, Router(cfg, VOCAB), cfg, "verify", PAD)
-    ids = row_alone(*repetitive([6], 5), 0)
-    selector = TokenSelector(SamplingParams(do_sample=True, seed=0), ids.device)
-    batch.prefill(ids, torch.ones_like(ids), [DecodeRequest(mode="verify", max_new_tokens=8)], [selector])
+    """A copied draft x (q a point mass) is accepted with probability p(x), else the token is drawn from p without
+    x: the first emitted token follows p exactly, and the one after an accepted draft follows the next position's p."""
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)) * 3.0  # peaked laws: low noise
     p = torch.softmax(logits.double(), dim=-1)
     draft = [int(p[0].argmax()), int(p[1].argsort()[-2])]  # a likely but not certain first draft
+    drafts = torch.tensor(draft)
+    generator = torch.Generator().manual_seed(0)
     runs = 6000
     first = torch.zeros(VOCAB, dtype=torch.float64)
     second = torch.zeros(VOCAB, dtype=torch.float64)
     for _ in range(runs):
-        accepted, token = batch._verify(0, batch.rows[0], draft, logits, [])
+        verdicts, token = accept_sampled(torch.softmax(logits, dim=-1), None, drafts, generator)
+        accepted = sum(verdicts)
         first[draft[0] if accepted >= 1 else token] += 1
         if accepted >= 1:
             second[draft[1] if accepted >= 2 else token] += 1
@@ -192,7 +187,9 @@ def test_a_bad_batch_design_is_refused():
         EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], batch_design="ragged")
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **PER_ROW)
     with pytest.raises(ValueError, match="verify mode"):
-        RaggedVerifyDecode(router._stack, router.heads, Router(router.config, VOCAB), router.config, "exit", PAD)
+        Decoder(
+            router.stack, router.heads, ExitRule(router.config, VOCAB), router.config, "exit", batch_design="per_row"
+        )
 
 
 def test_sliding_window_models_fall_back_where_holes_would_shift_the_window():

@@ -24,7 +24,7 @@ def smol():
 
 def test_default_model_loads_with_its_tokenizer_and_shipped_trained_heads(smol):
     assert smol.model.config.model_type == "llama"
-    assert smol._stack.num_layers == 30
+    assert smol.stack.num_layers == 30
     assert smol.tokenizer is not None
     shipped = shipped_checkpoint("smollm2-135m")
     assert shipped is not None and is_router_dir(shipped)
@@ -157,7 +157,7 @@ def test_export_draft_accepts_the_shipped_heads(smol, tmp_path, index):
     assert info.adapter == kind and info.num_layers == layer + 1 + (kind in BLOCK_KINDS)
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").eval()
     ids = smol.encode("Name a colour.", chat=True)
-    stack = smol._stack
+    stack = smol.stack
     with torch.no_grad():
         hidden = stack.run(stack.embed(ids), 0, layer + 1, None, torch.arange(ids.shape[1]).unsqueeze(0))
         ours = exit_logits(stack, smol.heads.adapter(layer), hidden)

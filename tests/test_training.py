@@ -30,7 +30,7 @@ def corpus(n_seqs: int = 12, length: int = 64, seed: int = 0) -> list[list[int]]
 
 
 def mean_kl(router, cache, layer) -> float:
-    stack = router._stack
+    stack = router.stack
     with torch.no_grad():
         teacher = stack.unembed(cache.final_normed).float()
         student = head_logits(stack, router.heads.adapter(layer), cache.exits[layer], cache.chunk_len)
@@ -41,7 +41,7 @@ def test_cache_holds_the_model_own_hidden_states():
     model = tiny_llama(0)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
     seqs = corpus(4, 32)
-    cache = build_cache(router._stack, [1, 3], seqs, chunk_len=32, progress=False)
+    cache = build_cache(router.stack, [1, 3], seqs, chunk_len=32, progress=False)
     assert len(cache) == 4 * 32
     with torch.no_grad():
         out = model(torch.tensor(seqs[:1]), output_hidden_states=True)
@@ -56,7 +56,7 @@ def test_a_few_steps_lower_the_distillation_loss_and_leave_the_base_frozen(adapt
     model = tiny_llama(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter=adapter)
-    cache = build_cache(router._stack, [1, 3], corpus(), chunk_len=64, progress=False)
+    cache = build_cache(router.stack, [1, 3], corpus(), chunk_len=64, progress=False)
     start = {e: mean_kl(router, cache, e) for e in (1, 3)}
     report = train_heads(router, cache, TrainingConfig(max_steps=40, batch_tokens=128, lr=1e-2), progress=False)
     for e in (1, 3):
@@ -72,7 +72,7 @@ def test_a_warm_started_residual_block_trains_alone_and_the_other_exits_keep_the
     its postnorm head, trains alone, and has its warm post-norm map learn at the reduced rate."""
     model = tiny_llama(0)
     source = EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter="postnorm")
-    cache = build_cache(source._stack, [1, 3], corpus(), chunk_len=64, progress=False)
+    cache = build_cache(source.stack, [1, 3], corpus(), chunk_len=64, progress=False)
     train_heads(source, cache, TrainingConfig(max_steps=20, batch_tokens=128, lr=1e-2), progress=False)
     source.heads.set_draft_token_ranking(torch.randperm(VOCAB), VOCAB)
     router = EarlyExitRouter.from_model(
@@ -98,7 +98,7 @@ def test_a_warm_started_residual_block_trains_alone_and_the_other_exits_keep_the
 
 def test_the_hidden_state_cache_saves_and_loads_the_exits_asked_for(tmp_path):
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
-    cache = build_cache(router._stack, [1, 3], corpus(2, 32), chunk_len=32, progress=False)
+    cache = build_cache(router.stack, [1, 3], corpus(2, 32), chunk_len=32, progress=False)
     cache.save(tmp_path / "states.pt")
     loaded = HiddenStateCache.load(tmp_path / "states.pt", [3])
     assert set(loaded.exits) == {3} and loaded.chunk_len == 32
@@ -110,18 +110,16 @@ def test_the_hidden_state_cache_saves_and_loads_the_exits_asked_for(tmp_path):
     with pytest.raises(ValueError, match="different exit layers"):
         HiddenStateCache.concat([cache, HiddenStateCache.load(tmp_path / "states.pt", [3])])
     with pytest.raises(ValueError, match="chunks of \\[16, 32\\]"):
-        HiddenStateCache.concat(
-            [cache, build_cache(router._stack, [1, 3], corpus(2, 32), chunk_len=16, progress=False)]
-        )
+        HiddenStateCache.concat([cache, build_cache(router.stack, [1, 3], corpus(2, 32), chunk_len=16, progress=False)])
     with pytest.raises(ValueError, match="less than one 256-token chunk"):
-        build_cache(router._stack, [1, 3], corpus(2, 32), chunk_len=256, progress=False)
+        build_cache(router.stack, [1, 3], corpus(2, 32), chunk_len=256, progress=False)
 
 
 def test_cross_entropy_mixing_trains_and_changes_what_is_learned():
     trained = {}
     for ce_weight in (0.0, 0.5):
         router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[2])
-        cache = build_cache(router._stack, [2], corpus(), chunk_len=64, progress=False)
+        cache = build_cache(router.stack, [2], corpus(), chunk_len=64, progress=False)
         start = mean_kl(router, cache, 2)
         cfg = TrainingConfig(max_steps=40, batch_tokens=128, lr=1e-2, ce_weight=ce_weight, seed=0)
         report = train_heads(router, cache, cfg, progress=False)
@@ -135,7 +133,7 @@ def test_cross_entropy_mixing_trains_and_changes_what_is_learned():
 def trained_router():
     """A tiny router with trained heads, its training and held-out caches and its training config."""
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **MIXED)
-    cache = build_cache(router._stack, [1, 3], corpus(), chunk_len=64, progress=False)
+    cache = build_cache(router.stack, [1, 3], corpus(), chunk_len=64, progress=False)
     train, holdout = cache.split(0.2, seed=0)
     cfg = TrainingConfig(max_steps=20, batch_tokens=128, lr=1e-2, gate_steps=50)
     train_heads(router, train, cfg, progress=False)
@@ -160,7 +158,7 @@ def test_gates_train_and_switching_them_off_equals_having_none():
 
 def test_quality_report_replays_the_cascade():
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **MIXED)
-    cache = build_cache(router._stack, [1, 3], corpus(6), chunk_len=64, progress=False)
+    cache = build_cache(router.stack, [1, 3], corpus(6), chunk_len=64, progress=False)
     signals = exit_signals(router, cache)
     rows = quality_table(signals)
     # Untrained adapters are the logit lens: both agreement columns agree exactly.
@@ -217,23 +215,24 @@ def test_gates_with_context_train_save_and_steer_nothing_in_verify_mode(tmp_path
 
 
 def test_context_gates_see_the_ngram_match_of_the_current_context(monkeypatch):
-    """The engine memoises the gates' n-gram features per position (from the step's own proposal scan when there
+    """The decoder memoises the gates' n-gram features per position (from the step's own proposal scan when there
     is one); every gate call must still see what a fresh scan of the context would say, rollbacks included."""
-    from early_exit_router.decode.engine import Engine
+    from early_exit_router.decode import drafters
     from early_exit_router.routing.ngram import ngram_match
 
     router, train, holdout, cfg = trained_router()
     train_gates(router, train, holdout, cfg, context=True)
-    original, calls = Engine._gate, []
+    original, calls = drafters.gate_probability_at, []
 
-    def checked(self, state, i, gate, last):
-        out = original(self, state, i, gate, last)
-        found = ngram_match(state.tokens, self.config.ngram_size, 1, self.config.ngram_min_size)[0]
-        assert state.context_ngram == (len(state.tokens), found[0] if found else -1)
+    def checked(dec, i, gate, last, logits=None):
+        out = original(dec, i, gate, last, logits)
+        row = dec.rows[0]
+        found = ngram_match(row.tokens, dec.config.ngram_size, 1, dec.config.ngram_min_size).tokens
+        assert row.ngram_memo == (len(row.tokens), found[0] if found else -1)
         calls.append(bool(found))
         return out
 
-    monkeypatch.setattr(Engine, "_gate", checked)
+    monkeypatch.setattr(drafters, "gate_probability_at", checked)
     repetitive = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
     for mode in ("exit", "verify"):
         for policy in ("fixed", "cost"):
@@ -245,17 +244,17 @@ def test_context_gates_see_the_ngram_match_of_the_current_context(monkeypatch):
 def test_a_rollback_forgets_the_gates_ngram_memo():
     """A rolled-back context can regrow to the same length with another tail: the gate must then see the new
     context's n-gram match, not the one memoised before the rollback."""
-    from early_exit_router.decode.engine import DecodeRequest
+    from early_exit_router.decode.drafters import gate_probability_at
     from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+    from early_exit_router.decode.stopping import DecodeRequest
 
     router, train, holdout, cfg = trained_router()
     train_gates(router, train, holdout, cfg, context=True)
-    engine = router.engine(router.config.replace(mode="verify", policy="fixed"))
-    tokens = [5, 6, 7, 8, 5, 6, 7]
-    request = DecodeRequest(mode="verify", max_new_tokens=4)
-    decoding = engine.start(torch.tensor([tokens]), request, TokenSelector(SamplingParams(), torch.device("cpu")))
-    state, gate, last = decoding.state, router.heads.gate(router.config.exit_layers[0]), torch.zeros(1, 32)
-    state.tokens[-1] = 8  # the context now ends in a repeated bigram (7, 8): the tier proposes 5
+    decoder = router.decoder({"policy": "fixed"}, "verify")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7]])
+    decoder.prefill(ids, torch.ones_like(ids), [DecodeRequest(4)], [TokenSelector(SamplingParams(), ids.device)])
+    row, gate, last = decoder.rows[0], router.heads.gate(router.config.exit_layers[0]), torch.zeros(1, 32)
+    row.tokens[-1] = 8  # the context now ends in a repeated bigram (7, 8): the tier proposes 5
     seen = []
     original = type(gate).forward
 
@@ -265,10 +264,10 @@ def test_a_rollback_forgets_the_gates_ngram_memo():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(type(gate), "forward", recording)
-        engine._gate(state, 0, gate, last)  # memoises "a match" for this length
-        engine._rollback(state, len(state.tokens) - 2)
-        state.tokens.extend([40, 41])  # the same length again, now without any repeated suffix
-        engine._gate(state, 0, gate, last)
+        gate_probability_at(decoder, 0, gate, last)  # memoises "a match" for this length
+        row.drop(2)  # a rollback
+        row.tokens.extend([40, 41])  # the same length again, now without any repeated suffix
+        gate_probability_at(decoder, 0, gate, last)
     assert seen == [1.0, 0.0]
 
 
@@ -386,7 +385,7 @@ def test_cli_warm_starts_one_exit_from_saved_heads_and_reuses_saved_hidden_state
     source.config = source.config.replace(heads_trained=True)
     source.save_pretrained(tmp_path / "source")
     states = tmp_path / "states.pt"
-    build_cache(source._stack, [1, 3], corpus(4, 64), chunk_len=64, progress=False).save(states)
+    build_cache(source.stack, [1, 3], corpus(4, 64), chunk_len=64, progress=False).save(states)
     args = [
         "train-heads",
         "--model",
@@ -445,7 +444,7 @@ def test_gates_fit_on_held_out_chunks_the_adapters_never_saw(monkeypatch):
     assert not chunks["gates"] & chunks["adapters"] and not chunks["scored"] & chunks["adapters"]
     assert not chunks["gates"] & chunks["scored"]
     # Text for the gates alone joins their share of the held-out chunks, and nothing else.
-    gate_text = build_cache(router._stack, [1, 3], corpus(3, 64, seed=9), chunk_len=32, progress=False)
+    gate_text = build_cache(router.stack, [1, 3], corpus(3, 64, seed=9), chunk_len=32, progress=False)
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], draft_vocab_size=0)
     result = training.distill_router(
         router, corpus(12, 64), cfg, target_agreement=None, progress=False, gate_cache=gate_text

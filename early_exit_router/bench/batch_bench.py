@@ -88,15 +88,15 @@ def run_batch_bench(router: Any, prompts: Sequence[dict], cfg: BatchBenchConfig 
     texts = [_text(router, p) for p in prompts]
     meta = {
         "model": router.describe(),
-        "machine": f"{router._stack.device}, {torch.get_num_threads()} torch threads",
-        "dtype": str(router._stack.dtype).replace("torch.", ""),
+        "machine": f"{router.stack.device}, {torch.get_num_threads()} torch threads",
+        "dtype": str(router.stack.dtype).replace("torch.", ""),
         "max_new_tokens": cfg.max_new_tokens,
         "repeats": cfg.repeats,
         "config": asdict(cfg),
         "router_config": router.config.to_dict(),
     }
     result = BatchBenchResult(meta)
-    pad_id = router.pad_token_id(router._eos_ids(None))
+    pad_id = router.pad_token_id(router.eos_token_ids(None))
     _run(router, *_batch(tokenizer, texts[:1], router), min(4, cfg.max_new_tokens), pad_id, ARMS)  # warm up
     for b in cfg.batch_sizes:
         ids, mask = _batch(tokenizer, [texts[k % len(texts)] for k in range(b)], router)
@@ -138,7 +138,7 @@ def _batch(tokenizer: Any, texts: list[str], router: Any) -> tuple[torch.Tensor,
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     finally:
         tokenizer.padding_side, tokenizer.pad_token = side, pad
-    device = router._stack.device
+    device = router.stack.device
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
@@ -164,7 +164,7 @@ def _run(router: Any, ids, mask, n: int, pad_id: int, order: Sequence[str]) -> d
 
 def _new_tokens(sequences: torch.Tensor, prompt_len: int, router: Any) -> int:
     """New tokens up to and including each row's EOS (the padding after it is not generated text)."""
-    eos = set(router._eos_ids(None))
+    eos = set(router.eos_token_ids(None))
     total = 0
     for row in sequences[:, prompt_len:].tolist():
         stop = next((k for k, t in enumerate(row) if t in eos), None)

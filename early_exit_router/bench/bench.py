@@ -183,7 +183,7 @@ class _Runner:
     def __init__(self, router: Any, max_new_tokens: int) -> None:
         self.router = router
         self.max_new_tokens = max_new_tokens
-        self.device = router._stack.device
+        self.device = router.stack.device
 
     def run(self, arm: Arm, ids: torch.Tensor) -> tuple[list[int], dict | None, float, list]:
         """Generate with `arm`; returns new token ids, router stats, wall seconds, streamer arrivals."""
@@ -278,7 +278,7 @@ def run_bench(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # HF's assisted-generation notices and our monitor's warnings: noise here
     try:
-        with ComputeMeter(router._stack, router.heads) as meter:
+        with ComputeMeter(router.stack, router.heads) as meter:
             if cfg.warmup:  # first-call allocations stay out of the numbers
                 for arm in arms:
                     runner.run(arm, encoded[0][:, :8])
@@ -462,7 +462,7 @@ def _ms(seconds: float | None) -> float | None:
 def _meta(router: Any, cfg: BenchConfig, prompts: Sequence[dict]) -> dict[str, Any]:
     import transformers
 
-    stack = router._stack
+    stack = router.stack
     device = stack.device
     if device.type == "cuda":
         machine = torch.cuda.get_device_name(device)

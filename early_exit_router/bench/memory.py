@@ -94,7 +94,7 @@ def kv_bytes_per_position(stack: Any) -> list[int]:
 
 def memory_budget(router: Any, context: int) -> MemoryBudget:
     """The budget of `router`'s model for one sequence of `context` positions."""
-    stack, config = router._stack, router.config
+    stack, config = router.stack, router.config
     model = router.model
     base = tensor_bytes(list(model.parameters()) + list(model.buffers()))
     heads = tensor_bytes(list(router.heads.parameters()))
@@ -116,7 +116,7 @@ def measured_bytes(router: Any, context: int) -> int:
     """What one routed generation at `context` positions holds: on CUDA the allocator's peak; elsewhere the bytes
     of the weights, heads, draft head and the returned cache (a prompt of `context` tokens and one new one, so that
     the cache holds `context` positions)."""
-    stack = router._stack
+    stack = router.stack
     ids = torch.randint(0, min(stack.vocab_size, 1000), (1, context), generator=torch.Generator().manual_seed(0))
     cuda = stack.device.type == "cuda"
     if cuda:

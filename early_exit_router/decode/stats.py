@@ -1,9 +1,18 @@
-"""`GenerationStats`: what one `generate` call measured."""
+"""What a decode measures: the counters it keeps while it runs, and `GenerationStats`, built from them in one place.
+
+A decoder keeps `PassCounters` for the whole batch (its deep passes, plans and probes) and `RowCounters` per sequence
+(the deep pass's verdicts on that row's drafts); `AgreementMonitor` watches the rolling agreement of exited tokens
+with the full model. `row_stats` turns them into one row's `GenerationStats`, `combined_stats` sums a batch's rows.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+from collections import deque
 from dataclasses import asdict, dataclass, field
+
+logger = logging.getLogger("early_exit_router")
 
 
 @dataclass
@@ -92,3 +101,173 @@ class GenerationStats:
                 else []
             )
         )
+
+
+@dataclass
+class RowCounters:
+    """One sequence's tallies: the deep pass's verdicts on its drafts, per tier (exits, then the n-gram tier)."""
+
+    checked: list[int]  # per tier: drafts the deep layers judged
+    agreed: list[int]  # ... and of them, those the full model agrees with
+    rejected: int = 0  # verify mode: drafts the deep pass replaced (one per rejection)
+    accepted: int = 0  # verify mode: drafts accepted
+    verify_passes: int = 0  # verify mode: deep passes that judged at least one of this row's drafts
+
+    @classmethod
+    def for_tiers(cls, tiers: int) -> RowCounters:
+        return cls([0] * tiers, [0] * tiers)
+
+
+@dataclass
+class PassCounters:
+    """The whole batch's tallies (one sequence: its own)."""
+
+    deep_passes: int = 0  # decode-time passes through the last layer
+    fill_positions: int = 0  # positions those passes ran
+    forced: int = 0  # deep passes forced by the window rules
+    routing_s: float = 0.0  # time spent in routing decisions (gates, signals, their host syncs)
+    plain_steps: int = 0  # cost policy: steps decoded plainly
+    probes: int = 0  # cost policy: plain steps that scored the exits' draft heads
+    plan_counts: dict[str, int] = field(default_factory=dict)  # cost policy: draft cycles per plan
+    unpaid_asks: dict[int, int] = field(default_factory=dict)  # ask rule: exit index -> tokens where asking did not pay
+    exited_seen: int = 0  # exit mode: exited tokens the deep layers have seen (the check sample's counter)
+
+
+class AgreementMonitor:
+    """The rolling agreement of the last `window` judged drafts with the full model; warns once below `bound`."""
+
+    def __init__(self, window: int, bound: float) -> None:
+        self.window, self.bound = window, bound
+        self.recent: deque[bool] = deque(maxlen=window)
+        self.minimum = 1.0
+        self.warned = False
+
+    def observe(self, verdicts: list[bool]) -> float | None:
+        """Record verdicts; returns the rolling agreement over whatever history there is (None: none yet)."""
+        self.recent.extend(verdicts)
+        if len(self.recent) >= self.window:
+            rolling = sum(self.recent) / self.window
+            self.minimum = min(self.minimum, rolling)
+            if rolling < self.bound and not self.warned:
+                self.warned = True
+                logger.warning(
+                    "early-exit monitor: agreement of the last %d exited tokens with the full model is %.2f, below "
+                    "%.2f. The router is too aggressive for this text: raise the thresholds or use mode='verify'.",
+                    self.window,
+                    rolling,
+                    self.bound,
+                )
+        return sum(self.recent) / len(self.recent) if self.recent else None
+
+
+@dataclass
+class RowRecord:
+    """What `row_stats` reads off one finished (or running) sequence."""
+
+    depths: list[int]  # per new token: the layer it left at
+    counters: RowCounters
+    wall_s: float
+    prefill_s: float
+
+
+def row_stats(
+    row: RowRecord,
+    passes: PassCounters,
+    monitor: AgreementMonitor,
+    *,
+    mode: str,
+    num_layers: int,
+    tier_layers: list[int],
+    threshold_shift: float,
+    acceptance: dict[str, float],
+    asks_skipped: dict[int, int],
+) -> GenerationStats:
+    """One sequence's `GenerationStats`. `tier_layers[i]`: the histogram key of tier i (an exit layer, or -1)."""
+    full = num_layers - 1
+    histogram: dict[int, int] = {}
+    for layer in row.depths:
+        histogram[layer] = histogram.get(layer, 0) + 1
+    new = len(row.depths)
+    exited = sum(c for layer, c in histogram.items() if layer != full)
+    c = row.counters
+    checked = sum(c.checked)
+    wall, decode_s = row.wall_s, row.wall_s - row.prefill_s
+    return GenerationStats(
+        new_tokens=new,
+        exit_histogram=dict(sorted(histogram.items())),
+        hit_rate=exited / new if new else 0.0,
+        agreement=sum(c.agreed) / checked if checked else None,
+        agreement_by_layer={tier_layers[i]: c.agreed[i] / n for i, n in enumerate(c.checked) if n},
+        exited_checked=checked,
+        deep_passes=passes.deep_passes,
+        mean_fill_chunk=passes.fill_positions / passes.deep_passes if passes.deep_passes else 0.0,
+        forced_deep=passes.forced,
+        rejected_drafts=c.rejected,
+        mean_accepted_length=c.accepted / c.verify_passes if c.verify_passes else 0.0,
+        min_rolling_agreement=monitor.minimum if checked >= monitor.window else None,
+        monitor_warned=monitor.warned,
+        threshold_shift=threshold_shift,
+        wall_time_s=wall,
+        prefill_s=row.prefill_s,
+        tokens_per_s=new / wall if wall > 0 else 0.0,
+        decode_tokens_per_s=(new - 1) / decode_s if decode_s > 0 and new > 1 else 0.0,
+        routing_overhead=passes.routing_s / wall if wall > 0 else 0.0,
+        routing_s=passes.routing_s,
+        plain_share=passes.plain_steps / new if new else 0.0,
+        policy_cycles=dict(sorted(passes.plan_counts.items())),
+        probes=passes.probes,
+        acceptance=acceptance,
+        asks_skipped=asks_skipped,
+        mode=mode,
+        num_layers=num_layers,
+    )
+
+
+def combined_stats(rows: list[GenerationStats]) -> GenerationStats:
+    """One batch's statistics from its rows': token counts and histograms summed, rates over all tokens; what the
+    batch shares (its passes, plans and estimates) from the first row."""
+    histogram: dict[int, int] = {}
+    for row in rows:
+        for layer, count in row.exit_histogram.items():
+            histogram[layer] = histogram.get(layer, 0) + count
+    new = sum(r.new_tokens for r in rows)
+    checked = sum(r.exited_checked for r in rows)
+    agreed = sum((r.agreement or 0.0) * r.exited_checked for r in rows)
+    first = rows[0]
+    wall = max(r.wall_time_s for r in rows)
+    return GenerationStats(
+        new_tokens=new,
+        exit_histogram=dict(sorted(histogram.items())),
+        hit_rate=sum(r.hit_rate * r.new_tokens for r in rows) / new if new else 0.0,
+        agreement=agreed / checked if checked else None,
+        exited_checked=checked,
+        deep_passes=first.deep_passes,
+        mean_fill_chunk=first.mean_fill_chunk,
+        forced_deep=first.forced_deep,
+        rejected_drafts=sum(r.rejected_drafts for r in rows),
+        wall_time_s=wall,
+        prefill_s=first.prefill_s,
+        tokens_per_s=new / wall if wall > 0 else 0.0,
+        routing_overhead=first.routing_overhead,
+        routing_s=first.routing_s,
+        plain_share=sum(r.plain_share * r.new_tokens for r in rows) / new if new else 0.0,
+        policy_cycles=first.policy_cycles,
+        probes=first.probes,
+        acceptance=first.acceptance,
+        asks_skipped=first.asks_skipped,
+        threshold_shift=first.threshold_shift,
+        monitor_warned=any(r.monitor_warned for r in rows),
+        mode=first.mode,
+        num_layers=first.num_layers,
+    )
+
+
+def plain_stats(new_tokens: int, wall_s: float, num_layers: int) -> GenerationStats:
+    """Plain HF decoding's statistics: every token at full depth, one deep pass per token after the prefill's."""
+    passes = max(0, new_tokens - 1)
+    row = RowRecord([num_layers - 1] * new_tokens, RowCounters.for_tiers(1), wall_s, 0.0)
+    stats = row_stats(row, PassCounters(deep_passes=passes, fill_positions=passes), AgreementMonitor(1, 0.0),
+                      mode="plain", num_layers=num_layers, tier_layers=[-1], threshold_shift=0.0, acceptance={},
+                      asks_skipped={})  # fmt: skip
+    stats.decode_tokens_per_s = 0.0  # the prefill is not timed apart
+    return stats

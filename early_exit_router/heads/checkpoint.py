@@ -19,8 +19,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from early_exit_router.config import RouterConfig
-from early_exit_router.heads.exit_heads import DRAFT_RANKING
-from early_exit_router.models.loading import ALIASES
+from early_exit_router.heads.block import block_source
+from early_exit_router.heads.exit_heads import DRAFT_RANKING, ExitHeads
+from early_exit_router.models.architecture import LayerStack
+from early_exit_router.models.loading import ALIASES, resolve_alias
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "early_exit_config.json"
@@ -188,3 +190,64 @@ def shipped_checkpoint(alias: str) -> Path | None:
         pass
     candidates.append(Path(__file__).resolve().parents[2] / "checkpoints" / entry.checkpoint)
     return next((c for c in candidates if is_router_dir(c)), None)
+
+
+def saved_router(name_or_path: str) -> SavedRouter | None:
+    """The saved router at `name_or_path`: a folder written by `save_pretrained`, or an alias's shipped heads;
+    None when there is none (a plain base model)."""
+    if is_router_dir(name_or_path):
+        return load_router(name_or_path)
+    alias = resolve_alias(name_or_path)
+    shipped = shipped_checkpoint(alias) if alias is not None else None
+    return load_router(shipped) if shipped is not None else None
+
+
+def heads_from_saved(saved: SavedRouter, stack: LayerStack, config: RouterConfig, name: str) -> ExitHeads:
+    """`saved`'s trained heads (adapters, gates, draft ranking) built on `stack`'s base model, which must be the
+    one they were trained for; on its device and in its dtype."""
+    saved.identity.check_matches(base_identity(stack, name))
+    kinds = {e: config.adapter_for(e) for e in saved.exit_layers}
+    heads = ExitHeads(saved.exit_layers, stack.hidden_size, kinds, config.adapter_rank, block_source(stack))
+    if saved.has_gates:  # the saved weights say which features the gates were trained with
+        heads.add_gates(
+            stack.hidden_size,
+            context=any(k.endswith(".context.weight") for k in saved.tensors),
+            head=any(k.endswith(".head.weight") for k in saved.tensors),
+        )
+    if DRAFT_RANKING in saved.tensors:
+        try:
+            heads.set_draft_token_ranking(saved.tensors[DRAFT_RANKING], stack.vocab_size)
+        except ValueError as exc:
+            raise ValueError(
+                f"The saved heads' draft token ranking is broken: {exc} Re-save or retrain them."
+            ) from None
+    expected = heads.state_dict()
+    wrong = {
+        k: (tuple(v.shape), tuple(expected[k].shape))
+        for k, v in saved.tensors.items()
+        if k in expected and v.shape != expected[k].shape
+    }
+    if wrong:
+        raise ValueError(
+            f"Saved head tensors have the wrong shapes (saved, expected): {wrong}. The heads file does not belong "
+            "to this config or base model: re-save or retrain the heads."
+        )
+    missing, unexpected = heads.load_state_dict(saved.tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"Saved heads do not fit their config: missing {missing}, unexpected {unexpected}.")
+    heads.to(device=stack.device, dtype=stack.dtype).eval()
+    return heads
+
+
+def base_identity(stack: LayerStack, name: str) -> BaseModelIdentity:
+    """What a saved router records of `stack`'s model (and checks again on load)."""
+    tensors = stack.shared_head_tensors()
+    return BaseModelIdentity(
+        name_or_path=name,
+        model_type=str(stack.config.model_type),
+        num_hidden_layers=stack.num_layers,
+        hidden_size=stack.hidden_size,
+        vocab_size=stack.vocab_size,
+        head_hash=head_hash(tensors),
+        head_fingerprint=head_fingerprint(tensors),
+    )

@@ -11,7 +11,16 @@ from torch import nn
 
 from early_exit_router.heads.draft import DraftHead
 
-GATE_CONTEXT = ("ngram_match", "recent_acceptance")  # what the engine tells a gate beyond the hidden state
+GATE_CONTEXT = ("ngram_match", "recent_acceptance")  # what the decoder tells a gate beyond the hidden state
+
+
+def context_features(ngram_tokens: list[int], acceptance: float | list[float], device: torch.device) -> torch.Tensor:
+    """(rows, len(GATE_CONTEXT)) a gate's context at one position per row: whether the n-gram tier would copy a
+    token there (`ngram_tokens[r]`, -1 for none) and the exit's running acceptance estimate (one for all rows, or
+    one per row). The decoder computes them online and training replays them (`replay_context`) with this function."""
+    rows = len(ngram_tokens)
+    accept = acceptance if isinstance(acceptance, list) else [acceptance] * rows
+    return torch.tensor([[float(t >= 0), a] for t, a in zip(ngram_tokens, accept)], device=device)
 
 
 # What a head gate reads off the draft head's output: its five largest log probabilities, the largest probability,

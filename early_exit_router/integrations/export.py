@@ -60,7 +60,7 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
     """Write exit `exit_layer` of `router` as a standalone HF model folder at `out` (model, tokenizer, notes)."""
     if exit_layer not in router.exit_layers:
         raise ValueError(f"Layer {exit_layer} has no exit head; exit layers are {router.exit_layers}.")
-    if router._stack.quantized:
+    if router.stack.quantized:
         raise ValueError(
             "export-draft writes a dense HF checkpoint and the base model has quantized weights: export from the "
             "unquantized model (the heads load onto it unchanged), then quantize the draft model if you wish."
@@ -72,7 +72,7 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
             f"checkpoint exactly. Export heads trained with --adapter postnorm (or the logit lens, "
             f"--adapter identity); adapters that fold: {', '.join(FOLDABLE_ADAPTERS)}."
         )
-    model, stack, spec = router.model, router._stack, router._stack.spec
+    model, stack, spec = router.model, router.stack, router.stack.spec
     block = adapter_kind in BLOCK_KINDS
     keep = exit_layer + 1
     config = copy.deepcopy(model.config)

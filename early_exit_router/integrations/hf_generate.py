@@ -1,16 +1,16 @@
-"""`model.generate()` on a patched model: greedy and sampling run through the router.
+"""The in-place patch on a Hugging Face model, and `model.generate()` on a patched model.
 
-The patch installs a `RoutedGenerate` object as the instance attribute `generate` (the class's method stays
-untouched; `unpatch()` and `disabled()` delete the attribute, so plain `generate` is back exactly). Each call goes
-to the class's own `generate`, which validates arguments, merges the `GenerationConfig`, builds the logits
-processors and stopping criteria as usual, and then hands them to the router's decode loop through transformers'
-`custom_generate` callable extension point. Nothing new is added to `generate`'s keyword arguments.
+`attach` installs a `RoutedGenerate` object as the instance attribute `generate` and a back-reference to the router
+(the class's method stays untouched); `detach` deletes both, so plain `generate` is back exactly. Neither adds a
+module, parameter, buffer or hook. Each `model.generate` call goes to the class's own `generate`, which validates
+arguments, merges the `GenerationConfig`, builds the logits processors and stopping criteria as usual, and then hands
+them to the router's decode loop through transformers' `custom_generate` callable extension point. Nothing new is
+added to `generate`'s keyword arguments.
 
-Batches (several sequences, left padding) run through the batch-synchronous engine (`batch_engine.py`), except
-verify-mode sampling, per-step scores or logits, and streamers, which run plain HF generation. Calls the router
-cannot serve (beam search, assisted generation, a user's own `custom_generate`, a cache to continue from) run plain
-HF generation, unchanged. The last call's `GenerationStats` is
-`router.last_stats`.
+Batches (several sequences, left padding) run through the router's batch decoder, except per-step scores or logits
+and streamers, which run plain HF generation. Calls the router cannot serve (beam search, assisted generation, a
+user's own `custom_generate`, a cache to continue from) run plain HF generation, unchanged. The last call's
+`GenerationStats` is `router.last_stats`. `plain_generate` is what a router inside `disabled()` runs.
 """
 
 from __future__ import annotations
@@ -18,16 +18,54 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import time
 from typing import Any
 
 import torch
+from torch import nn
 from transformers.generation.configuration_utils import GenerationMode
 
-from early_exit_router.decode.engine import DecodeRequest
+from early_exit_router.decode.output import GenerationOutput
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+from early_exit_router.decode.stats import plain_stats
+from early_exit_router.decode.stopping import DecodeRequest
 from early_exit_router.models import _compat
 
 ROUTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+ROUTER_ATTR = "_early_exit_router"  # back-reference, to refuse patching one model twice
+GENERATE_ATTR = "generate"  # instance attribute: model.generate() routes through the router
+
+
+def check_patchable(model: nn.Module) -> None:
+    """Refuse a model that is patched already or whose `generate` another plugin overrides (nothing is changed)."""
+    if getattr(model, ROUTER_ATTR, None) is not None:
+        raise ValueError(
+            "This model is already patched by an EarlyExitRouter: reuse that router, or call its unpatch() first."
+        )
+    if GENERATE_ATTR in model.__dict__:
+        raise ValueError(
+            "model.generate is overridden on this model object (by another plugin or a custom_generate repo); "
+            "the router would hide it. Delete that attribute first (del model.generate)."
+        )
+
+
+def attach(router: Any) -> None:
+    """Patch `router.model` in place: the back-reference and the routed `generate`; undone exactly by `detach`."""
+    model = router.model
+    try:
+        model.__dict__[ROUTER_ATTR] = router
+        if hasattr(type(model), "generate"):
+            model.__dict__[GENERATE_ATTR] = RoutedGenerate(router)  # shadows the class's generate
+    except BaseException:
+        detach(model)
+        raise
+
+
+def detach(model: nn.Module) -> None:
+    """Remove everything `attach` added."""
+    model.__dict__.pop(ROUTER_ATTR, None)
+    if isinstance(model.__dict__.get(GENERATE_ATTR), RoutedGenerate):
+        del model.__dict__[GENERATE_ATTR]
 
 
 class RoutedGenerate:
@@ -71,7 +109,7 @@ def _routed_decoding(
     streamer: Any = None,
     **model_kwargs: Any,
 ) -> Any:
-    """A decoding method with `GenerationMixin._sample`'s signature that runs the router's engine."""
+    """A decoding method with `GenerationMixin._sample`'s signature that runs the router's decoder."""
     mask = model_kwargs.get("attention_mask")
     cache = model_kwargs.get(_compat.GENERATE_CACHE_KWARG)
     continuing = cache is not None and cache.get_seq_length() > 0
@@ -79,9 +117,8 @@ def _routed_decoding(
     mode = getattr(generation_config, "early_exit_mode", None) or router.config.mode
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-    # The batch engines return no per-step scores; HF streamers take one row.
-    batch_routable = not (want_scores or want_logits)
-    if continuing or synced_gpus or (batched and (not batch_routable or streamer is not None)):
+    # The batch decoder returns no per-step scores; HF streamers take one row.
+    if continuing or synced_gpus or (batched and (want_scores or want_logits or streamer is not None)):
         if streamer is not None:  # generate() skipped the prompt's put: the streamer was ours to handle
             streamer.put(input_ids.cpu())
         return type(model)._sample(
@@ -94,12 +131,10 @@ def _routed_decoding(
             streamer,
             **model_kwargs,
         )
-
-    stack = router._stack
+    stack = router.stack
     request = DecodeRequest(
-        mode=mode,
         max_new_tokens=generation_config.max_length - input_ids.shape[1],
-        eos_token_ids=frozenset(router._eos_ids(generation_config.eos_token_id)),
+        eos_token_ids=frozenset(router.eos_token_ids(generation_config.eos_token_id)),
         stopping_criteria=stopping_criteria,
         streamer=streamer,
         tokenizer=router.tokenizer,
@@ -109,20 +144,48 @@ def _routed_decoding(
     selector = TokenSelector(
         SamplingParams(do_sample=bool(generation_config.do_sample)), stack.device, logits_processor
     )
-    if batched:
-        ids, mask = router._check_input_ids(input_ids, mask)
-        pad = generation_config.pad_token_id
-        out = router._run_batch(ids, mask, request, selector, router.config, pad if isinstance(pad, int) else None)
-        router.last_stats = out.stats
-        if not generation_config.return_dict_in_generate:
-            return out.sequences
-        return _compat.generate_output(out.sequences, None, None, out.cache)
-    sequences, stats, logits, cache, _ = router._run_engine(input_ids.to(stack.device), request, selector)
-    router.last_stats = stats
+    ids, mask = router.check_input_ids(input_ids, mask)
+    pad = generation_config.pad_token_id
+    out = router.decode(ids, mask, request, selector, mode=mode, pad_token_id=pad if isinstance(pad, int) else None)
+    router.last_stats = out.stats
     if not generation_config.return_dict_in_generate:
-        return sequences
-    prompt_len = input_ids.shape[1]
+        return out.sequences
     scores = None
     if want_scores:  # scores are the processed logits each token was chosen from, as HF reports them
-        scores = tuple(selector.scores(sequences[:, : prompt_len + i], row) for i, row in enumerate(logits))
-    return _compat.generate_output(sequences, scores, tuple(logits) if want_logits else None, cache)
+        prompt_len = input_ids.shape[1]
+        scores = tuple(selector.scores(out.sequences[:, : prompt_len + i], row) for i, row in enumerate(out.logits))
+    logits = tuple(out.logits) if want_logits and out.logits is not None else None
+    return _compat.generate_output(out.sequences, scores, logits, out.cache)
+
+
+def plain_generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_new_tokens: int,
+    params: SamplingParams,
+    num_layers: int,
+    **hf_kwargs: Any,
+) -> GenerationOutput:
+    """Plain HF generation with the router's arguments (greedy or sampling, `hf_kwargs` passed on), reported as
+    every token at full depth."""
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=params.do_sample,
+        return_dict_in_generate=True,
+        attention_mask=attention_mask,
+        **{k: v for k, v in hf_kwargs.items() if v is not None},
+    )
+    if params.do_sample:
+        kwargs.update(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p or 1.0)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids, **kwargs)
+    wall = time.perf_counter() - start
+    new = out.sequences.shape[1] - input_ids.shape[1]
+    logits = tuple(out.logits) if kwargs.get("output_logits") and out.logits is not None else None
+    full = num_layers - 1
+    return GenerationOutput(out.sequences, plain_stats(new, wall, num_layers), logits, _compat.forward_cache(out),
+                            [full] * new)  # fmt: skip

@@ -162,3 +162,19 @@ def load_base_model(
         f"({', '.join(ALIASES)}), a local HF model folder, a .gguf file, or a saved router folder. "
         "Models are never downloaded from a hub."
     )
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in names:
+        raise ValueError(f"Unknown dtype {dtype!r}: use one of {', '.join(names)}.")
+    return names[dtype]

@@ -85,9 +85,12 @@ class CostModel:
         """The full LM head over m rows (padded, as the engine runs it)."""
         return self._at(self.head_ms, self.head_pad(m))
 
-    def batch_pass(self, rows: int, width: int) -> float:
-        """Every layer and the full head over `rows` rows of `width` positions each, costed as rows x width positions
-        in one chunk (unpadded): compute-bound once batching fills the device, as it does on a CPU."""
+    def pass_ms(self, rows: int, width: int) -> float:
+        """Every layer and the full head over `rows` rows of `width` positions each. One row runs padded, as the
+        decoder runs it; several are costed as rows x width positions in one chunk (compute-bound once batching
+        fills the device, as it does on a CPU)."""
+        if rows == 1:
+            return self.layers(self.num_layers, width) + self.head(width)
         m = rows * width
         return self.num_layers * self._at(self.layer_ms, m) + self._at(self.head_ms, m)
 

@@ -1,4 +1,4 @@
-"""The router: decides, per token or per block, whether a token leaves at an exit or goes deeper.
+"""The exit rule: decides, per token or per block, whether a token leaves at an exit or goes deeper.
 
 The cascade at one exit (all thresholds from `RouterConfig`):
 
@@ -42,8 +42,8 @@ class RoutingState:
     threshold_shift: float = 0.0  # the controller's offset on both confidence thresholds
 
 
-class Router:
-    """Routing decisions for one model; stateless apart from `RoutingState`, which is per sequence."""
+class ExitRule:
+    """The exit decisions of one config; stateless apart from `RoutingState`, which is per decode."""
 
     def __init__(self, config: RouterConfig, vocab_size: int) -> None:
         self.config = config

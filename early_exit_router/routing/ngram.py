@@ -9,9 +9,20 @@ predictor, so the router estimates acceptance per match length and drafts furthe
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 
-def ngram_match(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: int = 2) -> tuple[list[int], int]:
+class Proposal(NamedTuple):
+    """What the n-gram tier proposes: the tokens, and the length of the match behind them (0: no match)."""
+
+    tokens: list[int]
+    match: int
+
+
+NO_PROPOSAL = Proposal([], 0)
+
+
+def ngram_match(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: int = 2) -> Proposal:
     """The tokens that followed the latest earlier occurrence of the longest matching suffix, and its length.
 
     Tries suffixes of `max_ngram` down to `min_ngram` tokens; returns up to `max_draft` tokens, or ([], 0).
@@ -22,13 +33,11 @@ def ngram_match(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: in
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence first, excluding the suffix itself
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + max_draft], n
-    return [], 0
+                return Proposal(tokens[start + n : start + n + max_draft], n)
+    return NO_PROPOSAL
 
 
-def prefer_stored(
-    found: tuple[list[int], int], store: SuffixStore | None, tokens: list[int], budget: int
-) -> tuple[list[int], int]:
+def prefer_stored(found: Proposal, store: SuffixStore | None, tokens: list[int], budget: int) -> Proposal:
     """The n-gram tier's proposal: the longer match of the context's (`found`, from `ngram_match`) and the store's
     (on a tie, the longer proposal; then the context's)."""
     if store is not None:
@@ -92,7 +101,7 @@ class SuffixStore:
             for end in range(n, len(tokens)):  # a continuation must exist after the n-gram
                 self._index[tuple(tokens[end - n : end])] = (seq_id, end)  # later occurrences win
 
-    def lookup(self, tokens: list[int], max_draft: int) -> tuple[list[int], int]:
+    def lookup(self, tokens: list[int], max_draft: int) -> Proposal:
         """What followed the longest suffix of `tokens` in a stored sequence, and the match length ([] , 0: none)."""
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) < n:
@@ -102,5 +111,5 @@ class SuffixStore:
                 seq_id, end = hit
                 proposal = self._sequences[seq_id][end : end + max_draft]
                 if proposal:
-                    return proposal, n
-        return [], 0
+                    return Proposal(proposal, n)
+        return NO_PROPOSAL

@@ -27,11 +27,12 @@ text becomes predictable again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from early_exit_router.routing.costs import CostModel
+from early_exit_router.routing.ngram import Proposal
 
 TierKey = tuple[str, int]  # ("exit", exit index), ("ngram", match length); exit mode: ("ask", exit index)
 MARGIN = 0.03  # drafting must beat plain decoding by this share, so that a near-tie decodes plainly
@@ -63,13 +64,14 @@ class AcceptanceTracker:
 
 @dataclass(frozen=True)
 class Plan:
-    """What one draft cycle does: 'plain' (no draft), 'ngram' (`proposal`) or 'exit' (exit index `tier`)."""
+    """What one draft cycle does: 'plain' (no draft), 'ngram' (each row drafts its `proposals` entry) or 'exit'
+    (exit index `tier`, up to `max_draft` tokens)."""
 
     kind: str
     max_draft: int = 0
     tier: int = -1
     key: TierKey | None = None
-    proposal: tuple[int, ...] = ()
+    proposals: tuple[Proposal | None, ...] = ()  # n-gram plans: per row, its drafts and their match (None: no row)
     rate: float = 0.0  # expected tokens per ms
 
 
@@ -131,8 +133,7 @@ class DraftPolicy:
         return exit_rate >= self._break_even[i]
 
     def ngram_cycle_ms(self, d: int) -> float:
-        c = self.costs
-        return c.layers(c.num_layers, d + 1) + c.head(d + 1)
+        return self.costs.pass_ms(1, d + 1)
 
     def exit_cycle_ms(self, i: int, d: int) -> float:
         c, e = self.costs, self.exit_layers[i]
@@ -143,35 +144,51 @@ class DraftPolicy:
         return d * per_draft + shallow + c.layers(c.num_layers - e - 1, d + 1) + c.head(d + 1)
 
     @staticmethod
-    def best_draft(a: float, cycle_ms: Callable[[int], float], max_draft: int) -> tuple[int, float]:
-        """The draft length with the most expected tokens per ms, and that rate (0, 0.0 when max_draft < 1)."""
+    def best_length(
+        gain: Callable[[int], float], cycle_ms: Callable[[int], float], max_length: int
+    ) -> tuple[int, float]:
+        """The draft length d in 1..max_length with the most expected tokens (`gain(d)`) per ms (`cycle_ms(d)`),
+        and that rate (0, 0.0 when max_length < 1); the shortest wins a tie."""
         best_d, best_rate = 0, 0.0
-        for d in range(1, max_draft + 1):
-            rate = expected_tokens(a, d) / cycle_ms(d)
+        for d in range(1, max_length + 1):
+            rate = gain(d) / cycle_ms(d)
             if rate > best_rate:
                 best_d, best_rate = d, rate
         return best_d, best_rate
 
+    @classmethod
+    def best_draft(cls, a: float, cycle_ms: Callable[[int], float], max_draft: int) -> tuple[int, float]:
+        """`best_length` for one tier at per-position acceptance `a`."""
+        return cls.best_length(lambda d: expected_tokens(a, d), cycle_ms, max_draft)
+
     def plan(
-        self,
-        tracker: AcceptanceTracker,
-        budget: int,
-        proposal: list[int],
-        match_len: int,
-        exits: bool = True,
+        self, tracker: AcceptanceTracker, budget: int, proposals: Sequence[Proposal | None], exits: bool = True
     ) -> Plan:
-        """The best plan for a cycle that may draft up to `budget` tokens (plain when nothing beats it)."""
-        best = Plan("plain", rate=self.plain_rate)
-        threshold = self.plain_rate * (1.0 + self.margin)
+        """The best plan for a cycle that may draft up to `budget` tokens (plain when nothing beats it).
+
+        `proposals`: each row's n-gram proposal (a batch of one: one entry; None: a finished row, which drafts
+        nothing and gains nothing). A pass over b rows and k + 1 slots yields each row its expected accepted
+        drafts plus its own token; the exits draft only for a batch of one (`exits`), since on rectangular layers
+        a row that leaves early saves nothing while another needs the deep layers."""
+        rows = max(1, len(proposals))
+        active = [p for p in proposals if p is not None] if proposals else [Proposal([], 0)]
+        plain_rate = len(active) / self.costs.pass_ms(rows, 1)
+        best = Plan("plain", rate=plain_rate)
+        threshold = plain_rate * (1.0 + self.margin)
         if budget < 1:
             return best
-        if proposal:
-            key: TierKey = ("ngram", match_len)
-            d, rate = self.best_draft(tracker.estimate(key), self.ngram_cycle_ms, min(budget, len(proposal)))
-            if rate > max(best.rate, threshold):
-                best = Plan("ngram", d, key=key, proposal=tuple(proposal[:d]), rate=rate)
-        for i in range(len(self.exit_layers) if exits else 0):
-            key = ("exit", i)
+        longest = min(budget, max((len(p.tokens) for p in active), default=0))
+        estimates = [tracker.estimate(("ngram", p.match)) for p in active]
+        k, rate = self.best_length(
+            lambda k: sum(expected_tokens(a, min(len(p.tokens), k)) for p, a in zip(active, estimates)),
+            lambda k: self.costs.pass_ms(rows, k + 1),
+            longest,
+        )
+        if rate > max(best.rate, threshold):
+            cut = tuple(None if p is None else Proposal(p.tokens[:k], p.match) for p in proposals)
+            best = Plan("ngram", k, proposals=cut, rate=rate)
+        for i in range(len(self.exit_layers) if exits and rows == 1 else 0):
+            key: TierKey = ("exit", i)
             d, rate = self.best_draft(tracker.estimate(key), lambda d, i=i: self.exit_cycle_ms(i, d), budget)
             if rate > max(best.rate, threshold):
                 best = Plan("exit", d, tier=i, key=key, rate=rate)

@@ -16,7 +16,7 @@ import torch
 
 from early_exit_router.config import RouterConfig
 from early_exit_router.heads.gates import gate_probability, uses_head
-from early_exit_router.routing.exit_rule import Router
+from early_exit_router.routing.exit_rule import ExitRule
 from early_exit_router.routing.policy import AcceptanceTracker
 from early_exit_router.training.training import (
     HiddenStateCache,
@@ -52,8 +52,8 @@ class ExitQuality:
 
 @torch.no_grad()
 def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[ExitSignals]:
-    stack, config = router._stack, router.config
-    decide = Router(config, stack.vocab_size)
+    stack, config = router.stack, router.config
+    decide = ExitRule(config, stack.vocab_size)
     target = teacher_top1(router, cache, batch)
     batch = batch_size_for(cache, batch)
     draft = router.heads.draft_head(stack, config.draft_vocab_size)  # the head the engine drafts from
@@ -145,7 +145,7 @@ def suggest_high_threshold(
     """
     best = (1.0, 0.0, 1.0)
     for high in [x / 100 for x in range(30, 100, 2)]:
-        rule = Router(config.replace(high_conf_threshold=high, low_conf_threshold=high), vocab_size)
+        rule = ExitRule(config.replace(high_conf_threshold=high, low_conf_threshold=high), vocab_size)
         flags = [rule.exit_rule(s.confidence, s.entropy) for s in signals]
         rows = cascade(signals, flags)
         exited = sum(share for _, share, _ in rows)

@@ -76,7 +76,7 @@ def survey_exits(
 
     The router's own heads are not touched. Held-out positions are a seeded `holdout_share` of the cache's chunks
     (whole chunks, so that no held-out position sits between training positions of the same text)."""
-    stack = router._stack
+    stack = router.stack
     draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
     ids = draft.token_ids.cpu() if draft is not None else torch.arange(stack.vocab_size)
     weight = dense(stack.lm_head.weight.detach())[ids.to(stack.device)].float()  # (K, hidden): the trimmed head

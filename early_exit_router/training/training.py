@@ -250,7 +250,7 @@ def train_heads(
 ) -> TrainingReport:
     """Fit the exits' adapters (`cfg.train_exits`, default all) to the full model's next-token distribution. The
     base model stays frozen; `warm` parameters (loaded by `warm_start`) learn at `cfg.warm_lr_scale` of the rate."""
-    stack, heads = router._stack, router.heads
+    stack, heads = router.stack, router.heads
     torch.manual_seed(cfg.seed)
     g = torch.Generator().manual_seed(cfg.seed)
     trained = heads.exit_layers if cfg.train_exits is None else [e for e in heads.exit_layers if e in cfg.train_exits]
@@ -346,7 +346,7 @@ def _sub_index(draft: DraftHead, tokens: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def teacher_top1(router: Any, cache: HiddenStateCache, batch: int = 1024) -> torch.Tensor:
     """(N,) the full model's top-1 token at every cached position."""
-    stack = router._stack
+    stack = router.stack
     return torch.cat(
         [
             stack.unembed(cache.final_normed[s : s + batch].to(stack.device, stack.dtype)).argmax(-1).cpu()
@@ -362,7 +362,7 @@ def exit_top1(
     """(N,) the exit head's top-1 token (trained adapter, or the logit lens when `trained` is False), from the
     trimmed draft head where the router drafts from one; with `with_confidence`, also (N,) its probability."""
     adapter = router.heads.adapter(layer) if trained else None
-    stack, batch = router._stack, batch_size_for(cache)
+    stack, batch = router.stack, batch_size_for(cache)
     draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
     tops, confidences = [], []
     for s in range(0, len(cache), batch):
@@ -429,7 +429,7 @@ def gate_context(
 def exit_head_features(router: Any, cache: HiddenStateCache, layer: int, proposals: torch.Tensor) -> torch.Tensor:
     """(N, len(HEAD_FEATURES)) what a head gate reads off exit `layer`'s draft head at every cached position, with
     the n-gram tier's replayed `proposals` (N,)."""
-    stack, batch = router._stack, batch_size_for(cache)
+    stack, batch = router.stack, batch_size_for(cache)
     draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
     adapter = router.heads.adapter(layer)
     return torch.cat(
@@ -472,7 +472,7 @@ def train_gates(
     target, target_hold = teacher_top1(router, train), teacher_top1(router, holdout)
     # What the n-gram tier would copy depends on the text alone: replayed once per cache, shared by every exit.
     proposals = [ngram_proposals(c, config.ngram_size, config.ngram_min_size) for c in (train, holdout)]
-    router.heads.add_gates(router._stack.hidden_size, context, head)
+    router.heads.add_gates(router.stack.hidden_size, context, head)
     quality = {}
     for layer in router.heads.exit_layers:
         gate: LearnedGate = router.heads.gate(layer).float()
@@ -518,7 +518,7 @@ def train_gates(
                 "confidence_exit_share_at_95": coverage_at(confidence, y_hold, 0.95),
                 "fit_positions": len(train),
             }
-        gate.to(device=router._stack.device, dtype=router._stack.dtype)
+        gate.to(device=router.stack.device, dtype=router.stack.dtype)
     return quality
 
 
@@ -667,7 +667,7 @@ def warm_start(router: Any, source: Any, exits: Iterable[int]) -> list[nn.Parame
         warm += list(target.parameters())
     ranking = source.draft_token_ranking()
     if ranking is not None:
-        router.heads.set_draft_token_ranking(ranking, router._stack.vocab_size)
+        router.heads.set_draft_token_ranking(ranking, router.stack.vocab_size)
     return warm
 
 
@@ -695,13 +695,13 @@ def distill_router(
     if cache is None:
         if sequences is None:
             raise ValueError("distill_router needs token sequences or a hidden-state cache.")
-        cache = build_cache(router._stack, router.heads.exit_layers, sequences, cfg.chunk_len, progress=progress)
+        cache = build_cache(router.stack, router.heads.exit_layers, sequences, cfg.chunk_len, progress=progress)
     cache_s = time.perf_counter() - start
     train, holdout = cache.split(cfg.holdout_share, cfg.seed)
     # The trimmed draft head keeps the model's most frequent predictions (warm-started heads keep the ranking they
     # were trained with).
     if router.config.draft_vocab_size and router.heads.draft_token_ranking() is None:
-        vocab = router._stack.vocab_size
+        vocab = router.stack.vocab_size
         router.heads.set_draft_token_ranking(draft_token_ranking(teacher_top1(router, train), vocab), vocab)
     report = train_heads(router, train, cfg, progress=progress, warm=warm)
     if gates:
@@ -723,7 +723,7 @@ def distill_router(
     signals = exit_signals(router, holdout)
     if target_agreement is not None:
         high, share, agreement = suggest_high_threshold(
-            signals, router.config, router._stack.vocab_size, target_agreement
+            signals, router.config, router.stack.vocab_size, target_agreement
         )
         router.config = router.config.replace(high_conf_threshold=high, low_conf_threshold=high)
         result["thresholds"] = {

@@ -153,8 +153,8 @@ def _job(router: Any, settings: ServerSettings, body: Any, ids: torch.Tensor, ma
         raise ApiError(400, f"Not supported by this server: {', '.join(unsupported)}.", param=unsupported[0])
     if ids.numel() == 0:
         raise ApiError(400, "The prompt is empty.", param="prompt")
-    if int(ids.max()) >= router._stack.vocab_size or int(ids.min()) < 0:
-        raise ApiError(400, f"Token ids must lie in [0, {router._stack.vocab_size}).", param="prompt")
+    if int(ids.max()) >= router.stack.vocab_size or int(ids.min()) < 0:
+        raise ApiError(400, f"Token ids must lie in [0, {router.stack.vocab_size}).", param="prompt")
     context = router.context_length
     if max_tokens is None:
         max_tokens = settings.default_max_tokens
@@ -181,7 +181,7 @@ def _job(router: Any, settings: ServerSettings, body: Any, ids: torch.Tensor, ma
         top_p=None if body.top_p >= 1.0 else body.top_p,
         seed=body.seed,
     )
-    ids = ids.to(router._stack.device)
+    ids = ids.to(router.stack.device)
     return Job(ids, max_tokens, mode, config, params, body.stop_strings())
 
 

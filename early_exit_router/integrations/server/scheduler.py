@@ -1,11 +1,10 @@
 """The server's scheduler: a bounded queue of requests and one worker thread that decodes them.
 
-Requests join and leave the running set between decode steps (continuous batching). Greedy requests and exit-mode
-requests that use the server's routing config share one batch per mode (`batch_engine.BatchDecode`): a newcomer is
-prefilled alone and joins the batch where no drafts wait, and a finished or cancelled row leaves at once. Requests
-the batch cannot serve exactly (verify-mode sampling, which needs the speculative-sampling rule of the one-sequence
-engine) or that set routing options of their own run as one-sequence decodes, one step each in turn. Models whose
-cache has sliding-window layers run every request that way (their cache rows do not line up).
+Requests join and leave the running set between decode steps (continuous batching). Requests that use the server's
+routing config share one batch decoder per mode (and, in verify mode, one for sampled requests, which run per row):
+a newcomer is prefilled alone and joins the batch where no drafts wait, and a finished or cancelled row leaves at
+once. Requests that set routing options of their own run as one-sequence decoders, one step each in turn. Models
+whose cache has sliding-window layers run every request that way (their cache rows do not line up).
 
 The worker is the only thread that touches the model; it holds `router.lock` around every step, so direct
 `router.generate` calls from other threads are served between steps and never interleave inside one. HTTP handlers
@@ -26,12 +25,12 @@ from typing import Any
 import torch
 
 from early_exit_router.config import RouterConfig
-from early_exit_router.decode.batch_engine import BatchDecode, BatchRow, new_batch, per_row
-from early_exit_router.decode.engine import DecodeRequest, Decoding, Engine
+from early_exit_router.decode.loop import Decoder
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+from early_exit_router.decode.state import Row
 from early_exit_router.decode.stats import GenerationStats
+from early_exit_router.decode.stopping import DecodeRequest
 from early_exit_router.models import _compat
-from early_exit_router.routing.exit_rule import Router
 
 
 class QueueFull(RuntimeError):
@@ -128,14 +127,14 @@ def _stop_prefix_overlap(text: str, stops: tuple[str, ...]) -> int:
 
 
 class _JobStreamer:
-    """The engine's streamer for one job: receives verified token ids, forwards safe text to the job."""
+    """The decoder's streamer for one job: receives verified token ids, forwards safe text to the job."""
 
-    def __init__(self, job: Job, tracker: TextTracker, scheduler: Scheduler, prompt_seen: bool = False) -> None:
+    def __init__(self, job: Job, tracker: TextTracker, scheduler: Scheduler) -> None:
         self.job, self.tracker, self.scheduler = job, tracker, scheduler
-        self.prompt_seen = prompt_seen  # the one-sequence engine puts the prompt first; the batch does not
+        self.prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # the engine puts the prompt first, like HF streamers expect
+        if not self.prompt_seen:  # the decoder puts the prompt first, like HF streamers expect
             self.prompt_seen = True
             return
         piece = self.tracker.add(value.reshape(-1).tolist())
@@ -149,8 +148,7 @@ class _JobStreamer:
 @dataclass(eq=False)
 class _Running:
     job: Job
-    engine: Engine
-    decoding: Decoding
+    decoder: Decoder
     tracker: TextTracker
 
 
@@ -158,8 +156,8 @@ class _Running:
 class _Group:
     """The batch of one mode, its members and the jobs waiting to join it."""
 
-    batch: BatchDecode
-    members: list[tuple[BatchRow, Job, TextTracker]] = field(default_factory=list)
+    batch: Decoder
+    members: list[tuple[Row, Job, TextTracker]] = field(default_factory=list)
     joining: collections.deque = field(default_factory=collections.deque)
 
     @property
@@ -207,7 +205,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_running = max_running
         self.base_config = base_config or router.config  # requests with this config may share a batch
-        self.batching = batching and _compat.cache_rows_can_change(router._stack.new_cache())
+        self.batching = batching and _compat.cache_rows_can_change(router.stack.new_cache())
         self.stats = SchedulerStats()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[_Running] = []
@@ -284,24 +282,24 @@ class Scheduler:
     def _batchable(self, job: Job) -> bool:
         """Whether the job may share a batch: the server's routing (greedy or sampled: verify-mode sampling joins a
         per-row batch, where each row keeps its own distribution)."""
-        return self.batching and job.config == self.base_config and self.router.batch_synchronous(job.config)
+        sampling = job.params.do_sample
+        return (
+            self.batching and job.config == self.base_config and self.router.can_batch(job.config, job.mode, sampling)
+        )
 
     def _group(self, job: Job) -> _Group:
-        sampling = job.params.do_sample
-        key = (job.mode, per_row(self.base_config, job.mode, sampling))  # verify mode: per-row and synchronous batches
+        sampling = job.mode == "verify" and job.params.do_sample  # verify mode: sampled requests run per row
+        key = (job.mode, sampling)
         group = self._groups.get(key)
         if group is None:
-            router = self.router
-            cfg = router.batch_config(self.base_config)  # block exits sit out of batches
-            costs = router.costs(config=cfg) if cfg.policy == "cost" else None
-            batch = new_batch(router._stack, router.heads, Router(cfg, router._stack.vocab_size), cfg, job.mode,
-                              router.pad_token_id(self._eos), sampling, costs, router.ngram_store())  # fmt: skip
+            with self.router.lock:
+                batch = self.router.decoder(self.base_config, job.mode, batch=True, sampling=sampling)
             group = self._groups[key] = _Group(batch)
         return group
 
     @property
     def _eos(self) -> frozenset[int]:
-        return frozenset(self.router._eos_ids(None))
+        return frozenset(self.router.eos_token_ids())
 
     def _step_group(self, group: _Group) -> None:
         """Let waiting jobs join where no drafts wait, step the batch once, and retire finished or cancelled rows."""
@@ -313,8 +311,8 @@ class Scheduler:
                     if job.cancelled.is_set():
                         self.stats.requests_cancelled += 1
                         continue
-                    tracker, request = self._decode_request(job, batched=True)
-                    row = batch.join(job.input_ids, request, TokenSelector(job.params, self.router._stack.device))
+                    tracker, request = self._decode_request(job)
+                    row = batch.join(job.input_ids, request, TokenSelector(job.params, self.router.stack.device))
                     group.members.append((row, job, tracker))
                     self.stats.requests_batched += 1
                 if batch.rows:
@@ -325,7 +323,7 @@ class Scheduler:
                     if job.cancelled.is_set():
                         self.stats.requests_cancelled += 1
                     elif row.done:
-                        self._finish(job, tracker, batch.output(row), batch.stats(row))
+                        self._finish(job, tracker, row.output(), batch.stats(row))
                     else:
                         continue
                     leaving.append(row)
@@ -337,17 +335,16 @@ class Scheduler:
                 self.emit(job, ("error", error))
             group.members.clear()
             group.joining.clear()
-            group.batch = batch._new_like()
+            group.batch.reset()
 
-    def _decode_request(self, job: Job, batched: bool) -> tuple[TextTracker, DecodeRequest]:
-        """The engine's request for a job, streaming through a text tracker to the job's queue."""
+    def _decode_request(self, job: Job) -> tuple[TextTracker, DecodeRequest]:
+        """The decoder's request for a job, streaming through a text tracker to the job's queue."""
         tracker = TextTracker(self.router.tokenizer, job.stop)
         request = DecodeRequest(
-            mode=job.mode,
             max_new_tokens=job.max_new_tokens,
             eos_token_ids=self._eos,
             stop_strings=job.stop,
-            streamer=_JobStreamer(job, tracker, self, prompt_seen=batched),  # only one sequence's engine puts it
+            streamer=_JobStreamer(job, tracker, self),
             tokenizer=self.router.tokenizer,
         )
         return tracker, request
@@ -356,17 +353,17 @@ class Scheduler:
         if job.cancelled.is_set():
             self.stats.requests_cancelled += 1
             return
-        tracker, request = self._decode_request(job, batched=False)
+        tracker, request = self._decode_request(job)
         try:
             with self.router.lock:
-                engine = self.router.engine(job.config)
-                selector = TokenSelector(job.params, self.router._stack.device, None)
-                decoding = engine.start(job.input_ids, request, selector)
+                decoder = self.router.decoder(job.config, job.mode)
+                selector = TokenSelector(job.params, self.router.stack.device, None)
+                decoder.prefill(job.input_ids, torch.ones_like(job.input_ids), [request], [selector])
         except Exception as error:  # a failure of one request must not stop the worker
             self.stats.requests_failed += 1
             self.emit(job, ("error", error))
             return
-        self._running.append(_Running(job, engine, decoding, tracker))
+        self._running.append(_Running(job, decoder, tracker))
 
     def _advance(self, run: _Running) -> None:
         if run.job.cancelled.is_set():
@@ -375,17 +372,20 @@ class Scheduler:
             return
         try:
             with self.router.lock:
-                done = run.engine.advance(run.decoding)
-                if not done:
+                if not run.decoder.finished:
+                    run.decoder.step()
+                if not run.decoder.finished:
                     return
-                sequences, stats, _, _, _ = run.engine.finish(run.decoding)
+                run.decoder.finish()
+                row = run.decoder.rows[0]
+                new_ids, stats = row.output(), run.decoder.stats(row)
         except Exception as error:  # a failure of one request must not stop the worker
             self._running.remove(run)
             self.stats.requests_failed += 1
             self.emit(run.job, ("error", error))
             return
         self._running.remove(run)
-        self._finish(run.job, run.tracker, sequences[0, run.job.input_ids.shape[1] :].tolist(), stats)
+        self._finish(run.job, run.tracker, new_ids, stats)
 
     def _finish(self, job: Job, tracker: TextTracker, new_ids: list[int], stats: GenerationStats) -> None:
         """Send a finished request its remaining text and its result."""

@@ -1,0 +1,260 @@
+"""The deep pass: what a chunk's final-layer states decide.
+
+A token that goes deep carries every waiting slot with it through the rest of the model (the layer-wise fill,
+`segments.py`). The chunk's final-layer logits are then the full model's prediction at every waiting slot:
+- outside a verify cycle (exit mode) the exited tokens are final; a `check_fraction` share of them is compared with
+  the full model (`judge`: per-tier agreement, acceptance estimates, the monitor and the threshold controller);
+- inside one, each row keeps the longest prefix of its drafts the full model agrees with (`verify.py`), the batch
+  reconciles its rows (synchronous: the shortest prefix; per row: each its own, with holes), and every layer's cache is
+  cut back after the last kept slot, so it holds exactly what a full forward pass would;
+- either way the full model's next token follows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from early_exit_router.decode import batch as batching
+from early_exit_router.decode.emit import append, choose, row_ids
+from early_exit_router.decode.state import Row
+from early_exit_router.decode.verify import accept_greedy, accept_sampled, longest_prefix, shortest_prefix
+from early_exit_router.models import _compat
+
+if TYPE_CHECKING:
+    from early_exit_router.decode.loop import Decoder
+
+
+def flush(dec: Decoder) -> None:
+    """Run every waiting slot through the rest of the model, with no new token."""
+    end = dec.slots.length - 1  # fed slots are 0..end-1; the waiting ones end the range
+    *_, at = dec.fill.walk(None, end, end, dec.slots, set())  # the full depth
+    assert at.hidden is not None and at.chunk_start == dec.fill.deep_len
+    dec.plan, dec.cycle_drafts = None, 0
+    deep_pass(dec, at.hidden, at.chunk_start, has_current=False)
+
+
+def deep_pass(dec: Decoder, hidden: torch.Tensor, chunk_start: int, has_current: bool) -> None:
+    """Final-layer states (b, m, hidden) of slots chunk_start..chunk_start+m-1: check the exited tokens, verify the
+    cycle's drafts, and append the next token. Every slot but the current one (when `has_current`) predicted a
+    drafted token."""
+    m = hidden.shape[1]
+    n_drafts = m - 1 if has_current else m
+    dec.passes.deep_passes += 1
+    dec.passes.fill_positions += m
+    dec.fill.deep_len = chunk_start + m
+    cycle = dec.cycle
+    # Drafts predicted before the cycle exited (exit mode) and are final: a sample of them is checked.
+    final = min(n_drafts, max(0, cycle.start - chunk_start)) if cycle is not None else n_drafts
+    checked = _sample_checks(dec, final)  # offsets into the chunk
+    # One head call over the checked rows, then the verified rows or the current token's row.
+    tail = list(range(final, m)) if cycle is not None else ([m - 1] if has_current else [])
+    if cycle is not None and not checked:
+        selected = hidden[:, final:]  # contiguous: no copy
+    else:
+        index = torch.tensor(checked + tail, dtype=torch.long, device=hidden.device)
+        selected = hidden.index_select(1, index)  # (b, checked + tail rows, hidden)
+    logits = head(dec, selected) if selected.shape[1] else None  # (b, rows, vocab)
+    matches = None
+    if checked:
+        slots = torch.tensor([chunk_start + 1 + c for c in checked], device=hidden.device)
+        matches = logits[:, : len(checked)].argmax(dim=-1) == dec.slots.seq.index_select(1, slots)  # (b, checked)
+    if cycle is not None:
+        if matches is not None:
+            judge(dec, chunk_start, checked, matches.tolist())
+        verify(dec, logits[:, len(checked) :], chunk_start + final, has_current)
+        return
+    _compat.trim_sliding(dec.fill.cache)
+    if has_current:
+        row_logits = logits[:, -1]  # (b, vocab)
+        tokens = choose(dec, chunk_start + m, row_logits)
+        b, c = len(dec.rows), len(checked)
+        values = (tokens if matches is None else torch.cat([matches.flatten().long(), tokens])).tolist()
+        if matches is not None:  # one host sync for the verdicts and the tokens
+            judge(dec, chunk_start, checked, [values[r * c : (r + 1) * c] for r in range(b)])
+        ids = values[-b:]
+        _judge_proposals(dec, [0] * b, ids)
+        append(dec, tokens, ids, dec.full_layer, row_logits)
+    elif matches is not None:
+        judge(dec, chunk_start, checked, matches.tolist())
+    for row in dec.rows:
+        row.drafts.clear()
+
+
+def _sample_checks(dec: Decoder, n_drafts: int) -> list[int]:
+    """Which of a chunk's exited tokens exit mode checks: every one at `check_fraction` 1, none at 0, else an evenly
+    spread share (deterministic, so runs repeat)."""
+    fraction = dec.config.check_fraction if dec.config.check_agreement else 0.0
+    picked = []
+    for offset in range(n_drafts):
+        before = int(dec.passes.exited_seen * fraction)
+        dec.passes.exited_seen += 1
+        if int(dec.passes.exited_seen * fraction) > before:
+            picked.append(offset)
+    return picked
+
+
+def verify(dec: Decoder, logits: torch.Tensor, first: int, has_current: bool) -> None:
+    """Accept, per row, the longest prefix of its drafts the full model agrees with; emit the full model's token
+    after it. `logits` (b, k, vocab): predictions at slots first..first+k-1, the drafts sit at first+1..
+
+    Greedy: a draft is accepted when it equals the deep argmax (after logits processors). Sampling: the
+    speculative-sampling rule, so each row's tokens follow the full model's distribution. The batch design then
+    decides what each row keeps (`verify.shortest_prefix` / `longest_prefix`), and every layer is cut back."""
+    k = logits.shape[1]
+    n = k - 1 if has_current else k
+    argmax = _batch_choices(dec, logits, first)  # (b, k) greedy choices where the rows can share the work
+    counts, verdicts, picks = [], [], []
+    for r, row in enumerate(dec.rows):
+        count = 0 if row.done else sum(1 for s in row.drafts if s >= first)
+        drafts = row.tokens[len(row.tokens) - count :] if count else []
+        used = count + 1 if has_current else count  # the predictions this row reads
+        if row.done:
+            ok, pick = [], []
+        elif row.selector.params.do_sample:
+            ok, pick = _sample_row(dec, r, row, logits[r, :used], first, drafts)
+        else:
+            pick = argmax[r][:used] if argmax is not None else greedy_row(dec, r, row, logits[r, :used], first)
+            a = accept_greedy(pick[:count], drafts)
+            ok = [True] * a + ([False] if a < count else [])
+        counts.append(count)
+        verdicts.append(ok)
+        picks.append(pick)
+    judge(dec, first, None, verdicts)
+    accepted = [sum(ok) for ok in verdicts]
+    active = [not row.done for row in dec.rows]
+    reach = longest_prefix(accepted, active) if dec.per_row else shortest_prefix(accepted, active, n)
+    keep = first + reach + 1  # slots whose KV stays
+    if reach < n:
+        dec.fill.rollback(keep)
+        dec.slots.length = keep
+    if any(a < c for a, c in zip(accepted, counts)):
+        dec.rule.end_block(dec.routing)
+    ids: list[int | None] = []
+    kept_rows: list[int] = []
+    for r, row in enumerate(dec.rows):
+        kept = accepted[r] if dec.per_row else min(accepted[r], reach)
+        kept_rows.append(kept)
+        if row.done:
+            ids.append(None)
+            continue
+        _book(row, logits[r], counts[r], accepted[r])
+        row.drop(counts[r] - kept)
+        if dec.per_row:
+            dec.slots.hole(r, first + kept + 1, keep)
+        pick = picks[r]
+        if isinstance(pick, list):  # greedy: the full model's choice after what the row kept
+            ids.append(pick[kept] if kept < len(pick) else None)
+        else:  # sampled: the rule's token (a batch that samples keeps each row's own prefix)
+            ids.append(pick)
+    _judge_proposals(dec, accepted, ids)
+    if any(t is not None for t in ids):
+        device = logits.device
+        tokens = torch.tensor([dec.pad_token_id if t is None else t for t in ids], device=device)
+        rows = torch.tensor([min(kept, k - 1) for kept in kept_rows], device=device)
+        append(dec, tokens, ids, dec.full_layer, logits[torch.arange(len(ids), device=device), rows])
+    for row in dec.rows:
+        row.drafts.clear()
+        row.final = len(row.tokens)
+    _compat.trim_sliding(dec.fill.cache)
+    dec.cycle = None
+    if dec.per_row:
+        batching.maybe_compact(dec)
+
+
+def _book(row: Row, logits: torch.Tensor, count: int, accepted: int) -> None:
+    """A row's verify tallies; an accepted draft's logits (where kept) become the full model's."""
+    row.counters.rejected += int(accepted < count)
+    if count:
+        row.counters.verify_passes += 1
+        row.counters.accepted += accepted
+        if row.request.output_logits:
+            for j in range(accepted):
+                row.logits[len(row.logits) - count + j] = logits[j : j + 1].float().clone()
+
+
+def _batch_choices(dec: Decoder, logits: torch.Tensor, first: int) -> list[list[int]] | None:
+    """Every row's greedy choice at each predicted slot in one host sync: the raw argmax where no row has
+    processors, the processed one where all rows share one selector (HF's processors keep per-batch state); None
+    otherwise (rows are then scored one by one)."""
+    rows, selector = dec.rows, dec.rows[0].selector
+    if any(r.selector.params.do_sample for r in rows):
+        return None
+    if all(not r.selector.processors for r in rows):
+        return logits.argmax(dim=-1).tolist()
+    if dec.slots.holes or any(r.selector is not selector for r in rows):
+        return None
+    scores = [selector.scores(dec.slots.seq[:, : first + j + 1], logits[:, j]) for j in range(logits.shape[1])]
+    return torch.stack(scores, dim=1).argmax(dim=-1).tolist()
+
+
+def greedy_row(dec: Decoder, r: int, row: Row, logits: torch.Tensor, first: int) -> list[int]:
+    """Row r's greedy choice at each predicted slot, after its logits processors (each sees the right prefix)."""
+    return _scores(dec, r, row, logits, first).argmax(dim=-1).tolist()
+
+
+def _sample_row(
+    dec: Decoder, r: int, row: Row, logits: torch.Tensor, first: int, drafts: list[int]
+) -> tuple[list[bool], int | None]:
+    """Row r's verdicts and next token under speculative sampling."""
+    scores = _scores(dec, r, row, logits, first)
+    laws = [row.drafts[first + j].q for j in range(len(drafts))]
+    drafted = torch.tensor(drafts, dtype=torch.long, device=logits.device)
+    q = None
+    if any(law is not None for law in laws):  # copies among sampled drafts: a point mass each
+        q = torch.zeros(len(drafts), scores.shape[-1], dtype=scores.dtype, device=scores.device)
+        q[torch.arange(len(drafts)), drafted] = 1.0
+        for j, law in enumerate(laws):
+            if law is not None:
+                q[j] = law
+    return accept_sampled(torch.softmax(scores, dim=-1), q, drafted, row.selector.generator)
+
+
+def _scores(dec: Decoder, r: int, row: Row, logits: torch.Tensor, first: int) -> torch.Tensor:
+    """(m, vocab) the scores row r chooses from at slots first..first+m-1 (processors see the right prefix)."""
+    return torch.cat(
+        [row.selector.scores(row_ids(dec, r, first + j + 1), logits[j : j + 1]) for j in range(logits.shape[0])]
+    )
+
+
+def judge(dec: Decoder, first: int, offsets: list[int] | None, verdicts: list[list[bool]]) -> None:
+    """Book the deep pass's verdicts on each row's drafts (at `offsets` from slot `first`, default 0, 1, ...):
+    per-tier counts, acceptance estimates, the rolling monitor and the threshold controller."""
+    seen: list[bool] = []
+    for row, oks in zip(dec.rows, verdicts):
+        for offset, ok in zip(offsets if offsets is not None else range(len(oks)), oks):
+            draft = row.drafts.get(first + offset)
+            if draft is None:  # a finished row's padding
+                continue
+            dec.tracker.observe(draft.key, bool(ok))
+            row.counters.checked[draft.tier] += 1
+            row.counters.agreed[draft.tier] += int(ok)
+            seen.append(bool(ok))
+    if seen:
+        rolling = dec.monitor.observe(seen)
+        if rolling is not None:  # the controller acts on whatever history there is
+            dec.rule.adjust(dec.routing, rolling)
+
+
+def _judge_proposals(dec: Decoder, accepted: list[int], tokens: list[int | None]) -> None:
+    """Each row's n-gram proposal of this cycle, judged where it went beyond what was verified: the first undrafted
+    token against the token the full model chose (so a match length switched off is noticed again)."""
+    for row, a, token in zip(dec.rows, accepted, tokens):
+        proposal, row.proposal = row.proposal, None
+        if proposal is not None and token is not None and a == row.drafted < len(proposal.tokens):
+            dec.tracker.observe(("ngram", proposal.match), proposal.tokens[row.drafted] == token)
+
+
+def head(dec: Decoder, hidden: torch.Tensor) -> torch.Tensor:
+    """Final-layer logits of a deep chunk (one sequence: its rows padded to the cheapest measured count).
+
+    Non-finite logits (an fp16 overflow, typically) would otherwise be argmaxed into garbage silently."""
+    pad_to = dec.costs.head_pad(hidden.shape[1]) if dec.costs is not None and len(dec.rows) == 1 else 0
+    logits = dec.stack.logits(hidden, pad_to)
+    if not bool(torch.isfinite(logits).all()):
+        raise FloatingPointError(
+            f"The model produced NaN or infinite logits ({dec.stack.dtype}); in float16 this is usually an overflow "
+            "in the hidden states: load the model in bfloat16 or float32."
+        )
+    return logits

@@ -1,0 +1,81 @@
+"""Emitting tokens: each row's next token, one appended slot, and what becomes final.
+
+Every appended token is checked against the stop rules as it lands (`stopping.ends_generation`), drafts included; a
+row whose stop is final is done (`settle`): its streamer ends and its text goes to the n-gram store.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from early_exit_router.decode.stopping import ends_generation
+
+if TYPE_CHECKING:
+    from early_exit_router.decode.loop import Decoder
+
+
+def embed(dec: Decoder, first: int, count: int = 1) -> torch.Tensor:
+    """(b, count, hidden) embeddings of slots first..first+count-1."""
+    positions = dec.slots.positions(first, first + count)
+    return dec.stack.embed(dec.slots.seq[:, first : first + count], first, positions=positions)
+
+
+def row_ids(dec: Decoder, r: int, end: int) -> torch.Tensor:
+    """(1, n) row r's ids before slot `end`, as HF's processors and stopping criteria see them."""
+    row = dec.rows[r]
+    return dec.slots.row_ids(r, end, row.prompt_ids, row.start, row.new_tokens)
+
+
+def choose(dec: Decoder, end: int, logits: torch.Tensor) -> torch.Tensor:
+    """(b, vocab) -> (b,) tokens, each row by its own selector (one call when they share one or are all plain
+    greedy); processors see the ids before slot `end`."""
+    rows, first = dec.rows, dec.rows[0].selector
+    shared = all(r.selector is first for r in rows)
+    plain = all(not r.selector.params.do_sample and not r.selector.processors for r in rows)
+    if not dec.slots.holes and (shared or plain):
+        return first.choose(dec.slots.seq[:, :end], logits).reshape(-1)
+    return torch.cat(
+        [r.selector.choose(row_ids(dec, k, end), logits[k : k + 1]).reshape(1) for k, r in enumerate(rows)]
+    )
+
+
+def append(dec: Decoder, tokens: torch.Tensor, ids: list[int | None], layer: int, logits: torch.Tensor | None) -> None:
+    """Write one slot: row r's token `ids[r]` (None: a hole, or the pad token of a finished row), with its depth, its
+    logits where requested, and every stop rule checked on it."""
+    done = [row.done for row in dec.rows]
+    if any(done):
+        tokens = torch.where(torch.tensor(done, device=tokens.device), dec.pad_token_id, tokens.reshape(-1))
+    dec.slots.append(tokens.reshape(-1), [d or t is not None for d, t in zip(done, ids)])
+    end = dec.slots.length
+    for r, row in enumerate(dec.rows):
+        token = ids[r]
+        if row.done or token is None:
+            continue
+        row.tokens.append(int(token))
+        row.depth.append(layer)
+        scores = None
+        if row.request.output_logits and logits is not None:
+            scores = logits[r : r + 1].detach().float().reshape(1, -1).clone()
+            row.logits.append(scores)
+        if dec.cycle is None:  # outside a verify cycle a token is final at once
+            row.final = len(row.tokens)
+        if row.stop_at is None and ends_generation(
+            row.request, row.new_tokens, lambda r=r: row_ids(dec, r, end), scores
+        ):
+            row.stop_at = len(row.new_tokens)
+
+
+def settle(dec: Decoder) -> None:
+    """Stream each row's final tokens; a row whose stop is final is done: its streamer ends, and its text goes to
+    the n-gram store."""
+    for row in dec.rows:
+        if row.done:
+            continue
+        upto = len(row.tokens) if row.stop_at is None else row.prompt_len + row.stop_at
+        row.frontier.advance(row.tokens, min(row.final, upto))
+        if row.stop_at is not None and row.final >= upto:
+            row.done = True
+            row.frontier.end()
+            dec.suffix.remember(row.tokens[: row.prompt_len] + row.output())

@@ -1,0 +1,52 @@
+"""Checking what a caller hands a decode: token ids, their attention mask, and the room left in the context."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def check_input_ids(
+    input_ids: Any, attention_mask: torch.Tensor | None, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated (b, n) ids on `device`, and their (b, n) attention mask (all ones when not given)."""
+    if not torch.is_tensor(input_ids):
+        raise TypeError(f"input_ids must be a LongTensor of shape (b, n) or a string, got {type(input_ids)}.")
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids must be 2-D (batch, length), got shape {tuple(input_ids.shape)}; "
+            "for one sequence use input_ids.unsqueeze(0)."
+        )
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty: give at least one prompt token (e.g. the BOS token).")
+    if input_ids.dtype not in (torch.long, torch.int, torch.int32, torch.int64):
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}.")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"input_ids hold ids outside the vocabulary [0, {vocab_size}): min {low}, max {high}.")
+    if attention_mask is None:
+        return input_ids.to(device=device, dtype=torch.long), torch.ones_like(input_ids, device=device)
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}."
+        )
+    mask = (attention_mask != 0).long().to(device)
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError(
+            "Only left padding is supported: pad each prompt on the left (tokenizer.padding_side = 'left')."
+        )
+    if bool((mask[:, -1] == 0).any()):
+        raise ValueError("A row of attention_mask is all padding: every prompt needs at least one token.")
+    return input_ids.to(device=device, dtype=torch.long), mask
+
+
+def check_length(prompt_len: int, max_new_tokens: Any, context: int | None) -> None:
+    """Refuse a max_new_tokens that is not a positive integer, or a prompt that leaves it no room in `context`."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+    if context and prompt_len + max_new_tokens > context:
+        raise ValueError(
+            f"The prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's context of "
+            f"{context} positions (config.max_position_embeddings): shorten the prompt or lower max_new_tokens."
+        )

@@ -1,0 +1,363 @@
+"""The decode loop: early exit with layer-wise KV filling, for one sequence or a batch, in `exit` (lossy) or
+`verify` (lossless) mode.
+
+One step feeds each row's newest token: plan, draft, deep pass, verify or check, append.
+
+- **plan**: the window rule may force the deep layers (`ExitRule.forced_deep`). Verify mode under the cost policy
+  plans whole cycles (`DraftPolicy.plan`: draft from the n-gram tier, from one exit, or decode plainly); every other
+  decode asks the exits in turn each step (the threshold cascade; exit mode asks an exit only while that pays), after
+  the n-gram tier, whose proposal it takes whenever there is one.
+- **draft**: an n-gram proposal is appended at once (its embeddings wait in front of segment 0); an exit that fires
+  emits its head's token and parks the chunk's states in front of the next segment (`segments.py`).
+- **deep pass**: a token that goes deep carries every waiting slot with it through the rest of the model: the
+  layer-wise KV fill. Its final-layer logits are the full model's prediction at every waiting slot.
+- **verify or check**: drafts in a verify cycle are accepted up to the first the full model rejects (`verify.py`),
+  and every layer's cache is cut back after the last kept slot; exited tokens outside a cycle are final (exit mode),
+  and a `check_fraction` share of them is compared with the full model (agreement, the monitor, the controller).
+- **append**: the full model's next token follows, and every appended token is checked against the stop rules.
+
+A batch is several rows in the same slots (`batch.py`). Exits are batch-synchronous: a step leaves at an exit only
+when every unfinished row may. Synchronous batches keep one accepted length for every row; the per-row design
+(verify mode) drafts each row's own n-gram proposal and keeps each row's own accepted prefix, with holes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from early_exit_router.config import MODES, RouterConfig
+from early_exit_router.decode import batch as batching
+from early_exit_router.decode.batch import Slots
+from early_exit_router.decode.deep import deep_pass, flush, head
+from early_exit_router.decode.drafters import (
+    NGRAM_LAYER,
+    ExitDrafter,
+    SuffixDrafter,
+    append_ngram,
+    probe_exits,
+    try_exit,
+)
+from early_exit_router.decode.emit import append, choose, embed, settle
+from early_exit_router.decode.sampling import TokenSelector
+from early_exit_router.decode.segments import LayerwiseFill
+from early_exit_router.decode.state import Row, VerifyCycle
+from early_exit_router.decode.stats import (
+    AgreementMonitor,
+    GenerationStats,
+    PassCounters,
+    RowCounters,
+    RowRecord,
+    row_stats,
+)
+from early_exit_router.decode.stopping import DecodeRequest, StreamFrontier
+from early_exit_router.heads.adapters import needs_context
+from early_exit_router.heads.block import BlockContext
+from early_exit_router.heads.exit_heads import ExitHeads
+from early_exit_router.models import _compat
+from early_exit_router.models.architecture import LayerStack
+from early_exit_router.routing.costs import CostModel
+from early_exit_router.routing.exit_rule import FULL_DEPTH, ExitRule
+from early_exit_router.routing.ngram import NO_PROPOSAL, Proposal, SuffixStore
+from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Plan
+
+BATCH_DESIGNS = ("synchronous", "per_row")
+
+
+class Decoder:
+    """One decode in flight: `prefill` (or `join`) rows, `step` until `finished`, then `finish`; each row's `output()`
+    and `stats(row)` are there all along.
+
+    A single sequence is a batch of one. Built by `EarlyExitRouter.decoder()`; `batch_design` only matters once
+    several rows share it."""
+
+    def __init__(
+        self,
+        stack: LayerStack,
+        heads: ExitHeads,
+        rule: ExitRule,
+        config: RouterConfig,
+        mode: str,
+        *,
+        costs: CostModel | None = None,
+        store: SuffixStore | None = None,
+        batch_design: str = "synchronous",
+        pad_token_id: int = 0,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"Unknown mode {mode!r}: use one of {', '.join(MODES)}.")
+        if batch_design not in BATCH_DESIGNS:
+            raise ValueError(f"Unknown batch_design {batch_design!r}: use one of {', '.join(BATCH_DESIGNS)}.")
+        if batch_design == "per_row" and mode != "verify":
+            raise ValueError("The per-row batch design is verify mode's: exit-mode batches run batch-synchronously.")
+        self.stack, self.heads, self.rule, self.config, self.mode = stack, heads, rule, config, mode
+        self.costs, self.per_row, self.pad_token_id = costs, batch_design == "per_row", pad_token_id
+        self.exits = config.consulted_exit_layers()
+        self.full_layer = stack.num_layers - 1
+        self.block_exits = [i for i, e in enumerate(self.exits) if needs_context(heads.adapter(e))]
+        self.policy = DraftPolicy.for_config(costs, config, heads) if config.policy == "cost" and costs else None
+        self.suffix = SuffixDrafter(config, store if config.ngram_tier else None)
+        self.exit_drafter = ExitDrafter(stack, heads, config, self.exits)
+        prior = {} if config.exit_acceptance_prior is None else {"exit": config.exit_acceptance_prior}
+        self.tracker = AcceptanceTracker(prior=config.acceptance_prior, kind_priors=prior)
+        self.routing = rule.new_state()
+        self.monitor = AgreementMonitor(config.monitor_window, config.monitor_min_agreement)
+        self.passes = PassCounters()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every row (the last one left): the next `join` prefills a new batch; estimates are kept."""
+        self.rows: list[Row] = []
+        self.slots: Slots | None = None
+        self.fill: LayerwiseFill | None = None
+        self.cycle: VerifyCycle | None = None
+        self.plan: Plan | None = None
+        self.cycle_drafts = 0
+
+    # ------------------------------------------------------------------------------------------ rows in and out
+    @property
+    def pending(self) -> int:
+        """Fed slots the deep layers have not seen (the same for every row)."""
+        return self.slots.length - 1 - self.fill.deep_len if self.rows else 0
+
+    @property
+    def finished(self) -> bool:
+        return all(row.done for row in self.rows) and self.pending == 0
+
+    def can_join(self) -> bool:
+        """Rows join only where nothing waits (then every layer holds the same slots), and never beside a block
+        adapter's per-sequence context."""
+        return self.pending == 0 and not self.block_exits
+
+    @torch.no_grad()  # not inference_mode: returned tensors must stay usable with autograd
+    def prefill(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        requests: list[DecodeRequest],
+        selectors: list[TokenSelector],
+    ) -> None:
+        """Start from (b, n) left-padded prompts and their (b, n) attention mask, one request and selector per row."""
+        started = time.perf_counter()
+        b, n = ids.shape
+        if b > 1 and self.block_exits:
+            raise ValueError("Block adapters keep a context per sequence: consult other exits in batches.")
+        cache = self.stack.new_cache()
+        cfg = self.config
+        if self.mode == "verify" or (cfg.ngram_tier and not cfg.ngram_unverified) or self.costs is not None:
+            _compat.prepare_for_rollback(cache)  # sliding layers keep what a rollback may need
+        blocks = {i: BlockContext() for i in self.block_exits}
+        self.fill = LayerwiseFill(self.stack, self.heads, self.exits, cache, blocks, self.costs)
+        capacity = n + max(r.max_new_tokens for r in requests) + cfg.max_pending + cfg.ngram_draft + 2
+        self.slots = Slots.for_prompts(ids, mask, self.pad_token_id, capacity)
+        tiers = len(self.exits) + 1
+        for k, (request, selector) in enumerate(zip(requests, selectors)):
+            prompt = ids[k][mask[k].bool()].tolist()
+            frontier = StreamFrontier(request, prompt)
+            row = Row(request, selector, prompt, len(prompt), n, ids[k : k + 1], RowCounters.for_tiers(tiers),
+                      frontier, started=started)  # fmt: skip
+            self.rows.append(row)
+        positions = self.slots.positions(0, n)
+        hidden = self.fill.prefill(self.stack.embed(ids, positions=positions), positions, self.slots.attention_mask(n))
+        logits = head(self, hidden[:, -1:])[:, -1]  # (b, vocab): only the last position's prediction is needed
+        tokens = choose(self, n, logits)
+        append(self, tokens, tokens.tolist(), self.full_layer, logits)  # the prefill's token is final
+        for row in self.rows:
+            row.prefill_s = time.perf_counter() - started
+        settle(self)
+
+    @torch.no_grad()
+    def join(self, ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> Row:
+        """Add one sequence (1, n) between steps: prefilled alone, then left-padded into the batch."""
+        if not self.rows:
+            self.prefill(ids, torch.ones_like(ids), [request], [selector])
+            return self.rows[0]
+        if not self.can_join():
+            raise RuntimeError("Rows join only when no drafts are waiting (see can_join).")
+        single = self._new_like()
+        single.prefill(ids, torch.ones_like(ids), [request], [selector])
+        batching.join(self, single)
+        return self.rows[-1]
+
+    def _new_like(self) -> Decoder:
+        design = "per_row" if self.per_row else "synchronous"
+        return Decoder(self.stack, self.heads, self.rule, self.config, self.mode, costs=self.costs,
+                       store=self.suffix.store, batch_design=design, pad_token_id=self.pad_token_id)  # fmt: skip
+
+    def remove(self, rows: list[Row]) -> None:
+        """Drop rows (finished or cancelled) between steps."""
+        batching.remove(self, rows)
+
+    # ---------------------------------------------------------------------------------------------------- steps
+    @torch.no_grad()
+    def step(self) -> None:
+        """One step for every row (a token each, or a draft), or, once no row drafts on, the flush of what waits."""
+        if not self.rows:
+            return
+        if all(row.done or row.stop_at is not None for row in self.rows):
+            if self.pending:
+                flush(self)
+        elif self._plans_cycles():
+            self._cycle_step()
+        else:
+            self._cascade_step()
+        settle(self)
+
+    def _plans_cycles(self) -> bool:
+        """Verify mode plans whole draft cycles under the cost policy, and always in per-row batches."""
+        many = len(self.rows) > 1
+        return self.mode == "verify" and ((self.per_row and many) or (self.policy is not None and not many))
+
+    def _exits_draft(self) -> bool:
+        """Exits are batch-synchronous: per-row batches draft from the n-gram tier alone."""
+        return len(self.rows) == 1 or not self.per_row
+
+    def _cascade_step(self) -> None:
+        """Ask the n-gram tier, then each exit in turn; the token leaves at the first that fires, else goes deep."""
+        q = self.slots.length - 1
+        forced = self.rule.forced_deep(self.routing, self.pending)
+        if not forced and self.config.ngram_tier and len(self.rows) == 1 and self._draft_ngram():
+            return
+        if forced:
+            self.passes.forced += 1
+            self.rule.end_block(self.routing)
+        target = None if forced else self.rule.block_target(self.routing)
+        asked = set(range(len(self.exits))) if target is None else {target}
+        if forced or target == FULL_DEPTH:
+            asked = set()
+        for at in self.fill.walk(embed(self, q), q, q + 1, self.slots, asked):
+            if at.exit < len(self.exits) and self._asks(at.exit, target):
+                exited = try_exit(self, at.exit, at.hidden, q, target)
+                if target is None:  # a block's later tokens follow its first one: nothing was decided here
+                    self.tracker.observe(("ask", at.exit), exited)
+                if exited:
+                    return
+        if target is None and not forced:
+            self.rule.start_block(self.routing, FULL_DEPTH)
+        deep_pass(self, at.hidden, at.chunk_start, has_current=True)
+
+    def _asks(self, i: int, target: int | None) -> bool:
+        """Whether to ask exit `i` about this token. Under the cost policy only while asking pays
+        (`DraftPolicy.worth_consulting`, at the exit's estimated exit rate); a skipped exit is asked anyway every
+        `probe_interval` tokens, so that its estimate follows the text. A block's target is always asked, and with
+        blocks of several tokens every exit is: one decision there moves a whole block, which the per-token saving
+        does not price."""
+        if self.policy is None or target is not None or self.config.block_size > 1:
+            return True
+        if self.policy.worth_consulting(i, self.tracker.estimate(("ask", i))):
+            return True
+        unpaid = self.passes.unpaid_asks
+        unpaid[i] = unpaid.get(i, 0) + 1
+        interval = self.config.probe_interval
+        return interval > 0 and unpaid[i] % interval == 0
+
+    def _cycle_step(self) -> None:
+        """One step of the current draft cycle (`DraftPolicy.plan`): the n-gram tier's drafts, one exit's draft (only
+        that exit's head runs, until the plan's length or the first unconfident token), or a plain step (no head, no
+        gate; every `probe_interval` plain steps the exits' draft heads are scored on the states it computed). The
+        token that goes deep verifies the cycle's drafts in one pass."""
+        q = self.slots.length - 1
+        if self.plan is None:
+            self.plan = self._choose_plan()
+            name = self.plan.kind if self.plan.kind != "exit" else f"exit L{self.exits[self.plan.tier]}"
+            self.passes.plan_counts[name] = self.passes.plan_counts.get(name, 0) + 1
+        plan = self.plan
+        if plan.kind == "ngram" and self.cycle_drafts == 0:
+            self.cycle_drafts = append_ngram(self, list(plan.proposals))
+            return
+        interval = self.config.probe_interval
+        probe = (
+            plan.kind == "plain" and interval > 0 and self.passes.plain_steps % interval == 0 and self._exits_draft()
+        )
+        drafting = plan.kind == "exit" and self.cycle_drafts < plan.max_draft
+        stops = set(range(len(self.exits))) if probe else ({plan.tier} if drafting else set())
+        shadows: list[tuple[int, torch.Tensor]] = []
+        for at in self.fill.walk(embed(self, q), q, q + 1, self.slots, stops):
+            if at.exit == len(self.exits):
+                break
+            if drafting:
+                if try_exit(self, at.exit, at.hidden, q, None, key=plan.key):
+                    self.cycle_drafts += 1
+                    return
+                self.tracker.observe(plan.key, False)  # the chain stopped: this position yielded no draft
+            else:
+                shadows.append((at.exit, at.hidden[:, -1]))
+        if plan.kind == "plain":
+            self.passes.plain_steps += 1
+        self.plan, self.cycle_drafts = None, 0
+        deep_pass(self, at.hidden, at.chunk_start, has_current=True)
+        if shadows:
+            probe_exits(self, shadows)
+
+    def _choose_plan(self) -> Plan:
+        """This cycle's plan, from each row's n-gram proposal and the policy (without one: every proposal in full)."""
+        budgets = [self._draft_budget(row) for row in self.rows]
+        proposals: list[Proposal | None] = []
+        for row, budget in zip(self.rows, budgets):
+            tier = self.config.ngram_tier and budget > 0 and not row.done
+            proposal = self.suffix.propose(row, min(self.config.ngram_draft, budget)) if tier else NO_PROPOSAL
+            proposals.append(None if row.done else proposal)
+        if self.policy is not None:
+            plan = self.policy.plan(self.tracker, max(budgets), proposals, exits=self._exits_draft())
+        else:
+            longest = max((len(p.tokens) for p in proposals if p is not None), default=0)
+            plan = Plan("ngram", longest, proposals=tuple(proposals)) if longest else Plan("plain")
+        for row, proposal in zip(self.rows, proposals):  # judged after the deep pass, drafted or not
+            keep = plan.kind != "exit" and proposal is not None and bool(proposal.tokens)
+            row.proposal, row.drafted = proposal if keep else None, 0
+        return plan
+
+    def _draft_budget(self, row: Row) -> int:
+        """How many more tokens `row` may draft now: the window rule's room and the tokens it has still to make."""
+        return min(self.config.max_pending - self.pending, row.request.max_new_tokens - len(row.new_tokens))
+
+    # ------------------------------------------------------------------------------------------------ drafting
+    def _draft_ngram(self) -> bool:
+        """The n-gram tier, in a cascade step (one sequence): if the last tokens occurred before, append what
+        followed them there as drafts. In exit mode they are verified too (unless `ngram_unverified`), also while
+        exited tokens wait: the next deep pass fills those (final, only checked) and verifies the drafts after them."""
+        row = self.rows[0]
+        budget = min(self.config.ngram_draft, self._draft_budget(row))
+        proposal = self.suffix.propose(row, budget)
+        if not proposal.tokens:
+            return False
+        append_ngram(self, [proposal])
+        return True
+
+    # ------------------------------------------------------------------------------------------------ results
+    def stats(self, row: Row) -> GenerationStats:
+        """The row's statistics (wall time up to now, or up to `finish`)."""
+        new = len(row.output())
+        end = row.ended if row.ended is not None else time.perf_counter()
+        record = RowRecord(row.depth[:new], row.counters, end - row.started, row.prefill_s)
+        names = {"ngram": "ngram match {}", "exit": "exit L{}", "ask": "exit rate L{}"}
+        acceptance = {
+            names[kind].format(index if kind == "ngram" else self.exits[index]): round(a, 4)
+            for (kind, index), a in sorted(self.tracker.estimates.items())
+        }
+        interval = self.config.probe_interval
+        skipped = {self.exits[i]: n - (n // interval if interval > 0 else 0) for i, n in
+                   sorted(self.passes.unpaid_asks.items())}  # fmt: skip
+        return row_stats(record, self.passes, self.monitor, mode=self.mode, num_layers=self.stack.num_layers,
+                         tier_layers=self.exits + [NGRAM_LAYER], threshold_shift=self.routing.threshold_shift,
+                         acceptance=acceptance, asks_skipped=skipped)  # fmt: skip
+
+    def finish(self) -> Any:
+        """Close a finished decode: the cache trimmed to what the outputs hold, every row's wall time stopped.
+        Returns the cache (None where per-row holes keep it from lining up with the padded outputs)."""
+        if not self.finished:
+            raise RuntimeError("finish() called before the decode finished: step() until decoder.finished.")
+        now = time.perf_counter()
+        for row in self.rows:
+            row.ended = row.ended if row.ended is not None else now
+        cache = self.fill.cache
+        _compat.trim_sliding(cache)  # no rollback can follow: sliding layers keep only their window
+        if len(self.rows) > 1 and self.per_row:
+            return None
+        width = max(len(row.output()) for row in self.rows)
+        n = self.rows[0].start
+        for layer_idx in range(self.stack.num_layers):  # drafts accepted past the last stop: not in the output
+            _compat.crop_cache_layer(cache, layer_idx, n + width - 1)
+        return cache

@@ -1,0 +1,62 @@
+"""What a whole decode returns (`GenerationOutput`), and running one decode to its end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from early_exit_router.decode.loop import Decoder
+from early_exit_router.decode.sampling import TokenSelector
+from early_exit_router.decode.stats import GenerationStats, combined_stats
+from early_exit_router.decode.stopping import DecodeRequest
+
+
+@dataclass
+class GenerationOutput:
+    """What `EarlyExitRouter.generate` returns."""
+
+    sequences: torch.LongTensor  # (b, prompt + new), like HF generate (rows padded after their EOS)
+    stats: GenerationStats
+    logits: tuple[torch.Tensor, ...] | None = None  # per new token, (1, vocab) raw logits it was chosen from
+    cache: Any = None  # the KV cache: every layer holds sequences[:, :-1], as a full forward pass would
+    depths: list = field(default_factory=list)  # per new token: the 0-based layer it left at (-1: n-gram tier);
+    # for a batch, one such list per row
+    row_stats: list[GenerationStats] | None = None  # a batch's per-row statistics (`stats` then sums the rows)
+
+
+@torch.no_grad()
+def run_to_end(
+    decoder: Decoder,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    request: DecodeRequest,
+    selector: TokenSelector,
+) -> GenerationOutput:
+    """Decode (b, n) left-padded prompts to their ends with one request and selector for every row."""
+    b = input_ids.shape[0]
+    decoder.prefill(input_ids, attention_mask, [request] * b, [selector] * b)
+    while not decoder.finished:
+        decoder.step()
+    cache = decoder.finish()
+    outputs = [row.output() for row in decoder.rows]
+    sequences = padded_sequences(input_ids, outputs, decoder.pad_token_id)
+    stats = [decoder.stats(row) for row in decoder.rows]
+    depths = [row.depth[: len(out)] for row, out in zip(decoder.rows, outputs)]
+    if b == 1 and bool(attention_mask.all()):
+        row = decoder.rows[0]
+        logits = tuple(row.logits[: len(outputs[0])]) if request.output_logits else None
+        return GenerationOutput(sequences, stats[0], logits, cache, depths[0])
+    return GenerationOutput(sequences, combined_stats(stats), None, cache, depths, stats)
+
+
+def padded_sequences(input_ids: torch.Tensor, outputs: list[Any], pad_token_id: int) -> torch.Tensor:
+    """(b, n) prompts and each row's new tokens -> (b, n + longest) sequences, short rows padded after their end."""
+    b, n = input_ids.shape
+    width = max(len(o) for o in outputs)
+    sequences = torch.full((b, n + width), pad_token_id, dtype=torch.long, device=input_ids.device)
+    sequences[:, :n] = input_ids
+    for r, out in enumerate(outputs):
+        sequences[r, n : n + len(out)] = torch.as_tensor(out, dtype=torch.long)
+    return sequences

@@ -1,0 +1,92 @@
+"""What a decode carries between steps, as a few small records.
+
+- `Row`: one sequence of the batch: its request, its tokens on the host, its record (depths, logits), the drafts it
+  has in flight, its stop and streaming frontier, and its counters.
+- `Draft`: one drafted token the deep pass has yet to judge: the tier that proposed it and, when sampling, the law it
+  was drawn from.
+- `VerifyCycle`: drafts in flight that the next deep pass verifies, from one slot on (verify mode: every draft; exit
+  mode: the n-gram tier's, and whatever follows them until that pass).
+
+The KV fill (the cache and the hidden states waiting in front of each segment) is `segments.LayerwiseFill`; the slots
+every row's tokens sit in are `batch.Slots`; the policy's memory (acceptance estimates, the current plan) and the
+batch's counters belong to the decoder.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from early_exit_router.decode.sampling import TokenSelector
+from early_exit_router.decode.stats import RowCounters
+from early_exit_router.decode.stopping import DecodeRequest, StreamFrontier
+from early_exit_router.routing.ngram import Proposal
+from early_exit_router.routing.policy import TierKey
+
+
+@dataclass
+class Draft:
+    """A drafted token in flight, keyed in `Row.drafts` by the slot it was predicted from."""
+
+    tier: int  # the exit's index, or the n-gram tier's (after the exits)
+    key: TierKey  # the acceptance estimate its verdict updates
+    q: torch.Tensor | None = None  # sampling in a verify cycle: (vocab,) the law it was drawn from (None: a copy)
+
+
+@dataclass
+class VerifyCycle:
+    """Drafts predicted from slot `start` on are verified by the next deep pass; waiting tokens before it exited and
+    are final (exit mode)."""
+
+    start: int
+
+
+@dataclass(eq=False)  # identity: rows hold tensors
+class Row:
+    """One sequence in the batch."""
+
+    request: DecodeRequest
+    selector: TokenSelector
+    tokens: list[int]  # prompt + generated, real tokens only
+    prompt_len: int
+    start: int  # slot of its first generated token (its prompt ends just before)
+    prompt_ids: torch.Tensor  # (1, n): the prompt as its first batch padded it (what HF's processors see)
+    counters: RowCounters
+    frontier: StreamFrontier
+    depth: list[int] = field(default_factory=list)  # per new token: the layer it left at (-1: the n-gram tier)
+    logits: list[torch.Tensor] = field(default_factory=list)  # per new token, when requested
+    drafts: dict[int, Draft] = field(default_factory=dict)
+    proposal: Proposal | None = None  # this cycle's n-gram proposal (judged after the deep pass, drafted or not)
+    drafted: int = 0  # of it, the tokens drafted
+    final: int = 0  # tokens (prompt included) that are final: no deep pass can replace them
+    stop_at: int | None = None  # new tokens up to the one that ends generation (tentative until final)
+    done: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    prefill_s: float = 0.0
+    ended: float | None = None
+    # The suffix drafter's view of this context for the gates: (context length, the token it would copy or -1).
+    ngram_memo: tuple[int, int] = (-1, -1)
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    def output(self) -> list[int]:
+        """The generated tokens, up to and including the one that stopped it."""
+        new = self.new_tokens
+        return new[: self.stop_at] if self.stop_at is not None else new[: self.request.max_new_tokens]
+
+    def drop(self, count: int) -> None:
+        """Forget the newest `count` tokens (rejected drafts): tokens, record, and a stop among them."""
+        if count <= 0:
+            return
+        del self.tokens[-count:]
+        keep = len(self.tokens) - self.prompt_len
+        del self.depth[keep:]
+        del self.logits[keep:]
+        self.final = min(self.final, len(self.tokens))
+        if self.stop_at is not None and self.stop_at > keep:
+            self.stop_at = None
+        self.ngram_memo = (-1, -1)  # the context may regrow to the same length with other tokens
