@@ -512,14 +512,10 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     import torch
 
     from early_exit_router.api import EarlyExitRouter
-    from early_exit_router.training.training import (
-        HiddenStateCache,
-        TrainingConfig,
-        build_cache,
-        corpus_sequences,
-        distill_router,
-        warm_start,
-    )
+    from early_exit_router.training.config import TrainingConfig
+    from early_exit_router.training.distill import distill_router, warm_start
+    from early_exit_router.training.hidden_states import HiddenStateCache, build_cache
+    from early_exit_router.training.sequences import corpus_sequences
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -600,7 +596,8 @@ def _gate_cache(router: Any, args: argparse.Namespace, chunk_len: int) -> tuple[
         generated_prompts,
         load_prompts,
     )
-    from early_exit_router.training.training import HiddenStateCache, build_cache, gate_sequences
+    from early_exit_router.training.hidden_states import HiddenStateCache, build_cache
+    from early_exit_router.training.sequences import gate_sequences
 
     states = Path(args.gate_hidden_states) if args.gate_hidden_states else None
     if states is not None and states.exists():
@@ -629,7 +626,7 @@ def cmd_eval_heads(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
     from early_exit_router.training.corpus import DEV_PROMPTS, held_out_texts, load_prompts, self_generated
     from early_exit_router.training.head_report import as_dicts, exit_signals, format_table, quality_table
-    from early_exit_router.training.training import build_cache
+    from early_exit_router.training.hidden_states import build_cache
 
     router = EarlyExitRouter.from_pretrained(args.model, **_router_overrides(args))
     print(router.describe(), file=sys.stderr)
@@ -769,8 +766,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_survey(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
     from early_exit_router.training.head_report import as_dicts
+    from early_exit_router.training.hidden_states import build_cache
+    from early_exit_router.training.sequences import corpus_sequences
     from early_exit_router.training.survey import format_survey, survey_exits
-    from early_exit_router.training.training import build_cache, corpus_sequences
 
     router = EarlyExitRouter.from_pretrained(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
     stack = router.stack

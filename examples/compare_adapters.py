@@ -15,9 +15,12 @@ import json
 import warnings
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.training.config import TrainingConfig
 from early_exit_router.training.corpus import DEV_PROMPTS, held_out_texts, load_prompts, self_generated
+from early_exit_router.training.distill import train_heads
 from early_exit_router.training.head_report import exit_signals, quality_table
-from early_exit_router.training.training import TrainingConfig, build_cache, corpus_sequences, train_heads
+from early_exit_router.training.hidden_states import build_cache
+from early_exit_router.training.sequences import corpus_sequences
 
 
 def main() -> None:

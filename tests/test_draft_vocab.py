@@ -11,8 +11,11 @@ from early_exit_router.heads.checkpoint import WEIGHTS_NAME, load_router
 from early_exit_router.heads.draft import draft_token_ranking
 from early_exit_router.heads.exit_heads import DRAFT_RANKING
 from early_exit_router.routing.policy import DraftPolicy
+from early_exit_router.training.config import TrainingConfig
+from early_exit_router.training.distill import distill_router
+from early_exit_router.training.gates import coverage_at
+from early_exit_router.training.hidden_states import build_cache
 from early_exit_router.training.survey import break_even_acceptance, survey_exits
-from early_exit_router.training.training import TrainingConfig, build_cache, coverage_at, distill_router
 
 from .conftest import MIXED, VOCAB, prompt, tiny_costs, tiny_llama
 

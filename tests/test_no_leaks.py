@@ -9,7 +9,10 @@ import torch
 
 from early_exit_router import EarlyExitRouter
 from early_exit_router.integrations import hf_generate
-from early_exit_router.training.training import TrainingConfig, build_cache, train_gates, train_heads
+from early_exit_router.training.config import TrainingConfig
+from early_exit_router.training.distill import train_heads
+from early_exit_router.training.gates import train_gates
+from early_exit_router.training.hidden_states import build_cache
 
 from .conftest import MIXED, assert_same_model, model_fingerprint, prompt, tiny_llama
 

@@ -9,17 +9,11 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.training.config import TrainingConfig
+from early_exit_router.training.distill import distillation_loss, train_heads, warm_start
+from early_exit_router.training.gates import train_gates
 from early_exit_router.training.head_report import cascade, exit_signals, quality_table, suggest_high_threshold
-from early_exit_router.training.training import (
-    HiddenStateCache,
-    TrainingConfig,
-    build_cache,
-    distillation_loss,
-    head_logits,
-    train_gates,
-    train_heads,
-    warm_start,
-)
+from early_exit_router.training.hidden_states import HiddenStateCache, build_cache, head_logits
 
 from .conftest import MIXED, VOCAB, prompt, tiny_llama, tiny_tokenizer
 
@@ -173,7 +167,7 @@ def test_quality_report_replays_the_cascade():
 
 
 def test_auc_and_saved_share_on_known_scores():
-    from early_exit_router.training.training import roc_auc, saved_at_recall
+    from early_exit_router.training.gates import roc_auc, saved_at_recall
 
     positive = torch.tensor([True, True, False, False])
     assert roc_auc(torch.tensor([0.9, 0.8, 0.2, 0.1]), positive) == 1.0
@@ -185,11 +179,12 @@ def test_auc_and_saved_share_on_known_scores():
 
 
 def test_gate_context_replays_ngram_matches_and_running_acceptance():
-    from early_exit_router.training.training import HiddenStateCache, gate_context
+    from early_exit_router.training.gates import gate_context, ngram_proposals
+    from early_exit_router.training.hidden_states import HiddenStateCache
 
     tokens = [1, 2, 3, 1, 2, 3, 1, 2]
     cache = HiddenStateCache({}, torch.zeros(8, 4), torch.tensor(tokens[1:] + [-1]), chunk_len=8)
-    features = gate_context(cache, torch.ones(8), ngram_min=2, rate=0.5)
+    features = gate_context(cache, torch.ones(8), ngram_proposals(cache, 2, 2), prior=0.5, rate=0.5)
     # known tokens: [?, 2, 3, 1, 2, 3, 1, 2]; "2 3" recurs at 5, "3 1" at 6, "1 2" at 7
     assert features[:, 0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
     assert features[:, 1].tolist() == [0.5, 0.75, 0.875, 0.9375, 0.96875, 0.984375, 0.9921875, 0.99609375]
@@ -271,9 +266,56 @@ def test_a_rollback_forgets_the_gates_ngram_memo():
     assert seen == [1.0, 0.0]
 
 
+def test_gate_features_replayed_offline_equal_those_the_decoder_computed_online():
+    """Both go through `routing/gate_context.py`: every context feature a gate saw while decoding (the n-gram tier's
+    next copy, the exit's running acceptance) is what training's replay computes from the same text and the same
+    verdicts, from the same prior (the config's exit prior, not a constant of its own)."""
+    from early_exit_router.decode import drafters
+    from early_exit_router.routing import gate_context
+    from early_exit_router.routing.policy import AcceptanceTracker
+
+    router, train, holdout, cfg = trained_router()
+    train_gates(router, train, holdout, cfg, context=True)
+    router.config = router.config.replace(exit_acceptance_prior=0.3, gate_threshold=0.0, mode="exit", policy="fixed")
+    calls, seen, verdicts = [], [], {}  # per gate call: where, and what it saw; per exit: the verdicts so far
+    original_gate, original_features = drafters.gate_probability_at, gate_context.context_features
+    original_observe = AcceptanceTracker.observe
+
+    def gate_at(dec, i, gate, last, logits=None):
+        calls.append((i, len(dec.rows[0].tokens), len(verdicts.get(i, []))))
+        return original_gate(dec, i, gate, last, logits)
+
+    def features(tokens, acceptance, device):
+        seen.append((tokens[0], acceptance))
+        return original_features(tokens, acceptance, device)
+
+    def observe(self, key, accepted):
+        if key[0] == "exit":
+            verdicts.setdefault(key[1], []).append(bool(accepted))
+        return original_observe(self, key, accepted)
+
+    repetitive = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(drafters, "context_features", features)
+        patch.setattr(drafters, "gate_probability_at", gate_at)
+        patch.setattr(AcceptanceTracker, "observe", observe)
+        out = router.generate(repetitive, max_new_tokens=30)
+    tokens = out.sequences[0].tolist()
+    copies = gate_context.replay_next_copies(tokens, router.config.ngram_size, router.config.ngram_min_size)
+    prior = gate_context.exit_prior(router.config)
+    assert len(seen) == len(calls) > 10
+    for (i, length, judged), (ngram_token, acceptance) in zip(calls, seen):
+        assert ngram_token == copies[length - 1]  # the context ends at position length - 1
+        replayed = gate_context.replay_acceptance(verdicts.get(i, []) + [False], prior)
+        assert acceptance == pytest.approx(replayed[judged])
+    assert any(t >= 0 for t, _ in seen) and any(t < 0 for t, _ in seen)
+    assert any(a != prior for _, a in seen)  # verdicts moved the estimate
+
+
 def test_ngram_proposals_replay_the_tiers_match_on_every_prefix():
     from early_exit_router.routing.ngram import ngram_match
-    from early_exit_router.training.training import HiddenStateCache, ngram_proposals
+    from early_exit_router.training.gates import ngram_proposals
+    from early_exit_router.training.hidden_states import HiddenStateCache
 
     n, chunks = 48, 3
     nexts = torch.randint(0, 4, (n * chunks,), generator=torch.Generator().manual_seed(5))  # few ids: many repeats
@@ -420,7 +462,7 @@ def test_cli_warm_starts_one_exit_from_saved_heads_and_reuses_saved_hidden_state
 def test_gates_fit_on_held_out_chunks_the_adapters_never_saw(monkeypatch):
     """A head is right more often on its own training text, so a gate fit there trusts it too much: `distill_router`
     fits the gates on part of the held-out chunks and scores them on the rest."""
-    from early_exit_router.training import training
+    from early_exit_router.training import distill as training
 
     seen = {}
     real_heads, real_gates = training.train_heads, training.train_gates

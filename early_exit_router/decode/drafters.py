@@ -24,8 +24,9 @@ from early_exit_router.decode.state import Draft, Row, VerifyCycle
 from early_exit_router.heads.block import BlockContext
 from early_exit_router.heads.draft import draft_logits
 from early_exit_router.heads.exit_heads import ExitHeads
-from early_exit_router.heads.gates import context_features, gate_probability, uses_head
+from early_exit_router.heads.gates import gate_probability, uses_head
 from early_exit_router.models.architecture import LayerStack
+from early_exit_router.routing.gate_context import context_features, next_copy
 from early_exit_router.routing.ngram import NO_PROPOSAL, Proposal, SuffixStore, ngram_match, prefer_stored
 from early_exit_router.routing.policy import TierKey
 
@@ -57,9 +58,7 @@ class SuffixDrafter:
         context length whichever exits ask."""
         length, token = row.ngram_memo
         if length != len(row.tokens):
-            cfg = self.config
-            found = ngram_match(row.tokens, cfg.ngram_size, 1, cfg.ngram_min_size).tokens
-            token = found[0] if found else -1
+            token = next_copy(row.tokens, self.config.ngram_size, self.config.ngram_min_size)
             row.ngram_memo = (len(row.tokens), token)
         return token
 

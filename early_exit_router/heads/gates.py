@@ -1,7 +1,7 @@
-"""Learned gates: a logistic P(this exit's top-1 equals the full model's), and the features they read.
+"""Learned gates: a logistic P(this exit's top-1 equals the full model's), and the head features they read.
 
-The features are defined here once: the decoder computes them online and training replays them offline with the
-same functions.
+The head features (`head_features`) and the context features (`routing/gate_context.py`) are each defined once: the
+decoder computes them online and training replays them offline with the same functions.
 """
 
 from __future__ import annotations
@@ -11,16 +11,7 @@ from torch import nn
 
 from early_exit_router.heads.draft import DraftHead
 
-GATE_CONTEXT = ("ngram_match", "recent_acceptance")  # what the decoder tells a gate beyond the hidden state
-
-
-def context_features(ngram_tokens: list[int], acceptance: float | list[float], device: torch.device) -> torch.Tensor:
-    """(rows, len(GATE_CONTEXT)) a gate's context at one position per row: whether the n-gram tier would copy a
-    token there (`ngram_tokens[r]`, -1 for none) and the exit's running acceptance estimate (one for all rows, or
-    one per row). The decoder computes them online and training replays them (`replay_context`) with this function."""
-    rows = len(ngram_tokens)
-    accept = acceptance if isinstance(acceptance, list) else [acceptance] * rows
-    return torch.tensor([[float(t >= 0), a] for t, a in zip(ngram_tokens, accept)], device=device)
+GATE_CONTEXT = ("ngram_match", "recent_acceptance")  # what a gate reads beyond the hidden state: routing/gate_context
 
 
 # What a head gate reads off the draft head's output: its five largest log probabilities, the largest probability,

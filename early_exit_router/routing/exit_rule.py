@@ -14,7 +14,7 @@ optional window of recent exit confidences whose mean falls below `window_min_co
 
 Learned-gate hook: a gate is any module mapping the exit's hidden state `(1, hidden)` to a probability `(1,)`;
 `ExitHeads.gates` holds trained `LearnedGate`s, and `EarlyExitRouter.set_gate(layer, module)` installs a custom one.
-A gate whose `uses_context` is True also receives `(1, 2)` context features (`heads.GATE_CONTEXT`: whether the
+A gate whose `uses_context` is True also receives `(1, 2)` context features (`routing/gate_context.py`: whether the
 n-gram tier matches the text just before, and the exit's running acceptance estimate); one whose `uses_head` is
 True runs after the head and also receives `heads.head_features` of its logits (see step 2).
 """

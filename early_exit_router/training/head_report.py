@@ -17,15 +17,9 @@ import torch
 from early_exit_router.config import RouterConfig
 from early_exit_router.heads.gates import gate_probability, uses_head
 from early_exit_router.routing.exit_rule import ExitRule
-from early_exit_router.routing.policy import AcceptanceTracker
-from early_exit_router.training.training import (
-    HiddenStateCache,
-    batch_size_for,
-    gate_context,
-    head_logits,
-    ngram_proposals,
-    teacher_top1,
-)
+from early_exit_router.routing.gate_context import exit_prior
+from early_exit_router.training.gates import gate_context, ngram_proposals
+from early_exit_router.training.hidden_states import HiddenStateCache, batch_size_for, head_logits, teacher_top1
 
 
 @dataclass
@@ -71,14 +65,12 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
             flags.append(decide.exit_rule(conf, ent).cpu())
             confs.append(conf.cpu())
             ents.append(ent.cpu())
-        # A context or head gate sees the features replayed from the verdicts (see `training.gate_context`).
+        # A context or head gate sees the features replayed from the verdicts (see `routing/gate_context.py`).
         context = None
         if getattr(gate, "uses_context", False) or uses_head(gate):
             if proposals is None:
                 proposals = ngram_proposals(cache, config.ngram_size, config.ngram_min_size)
-            context = gate_context(
-                cache, torch.cat(agree).float(), config.ngram_min_size, AcceptanceTracker.rate, proposals
-            )
+            context = gate_context(cache, torch.cat(agree).float(), proposals, exit_prior(config))
         for s in range(0, len(cache), batch):
             if gate is None or uses_head(gate):  # a head gate never stops the head: it is the confidence
                 gates.append(torch.ones(min(batch, len(cache) - s), dtype=torch.bool))

@@ -27,7 +27,9 @@ from early_exit_router.heads.exit_heads import make_adapter
 from early_exit_router.models.architecture import dense
 from early_exit_router.routing.costs import CostModel
 from early_exit_router.routing.policy import DraftPolicy
-from early_exit_router.training.training import HiddenStateCache, chunk_positions, coverage_at, distillation_loss
+from early_exit_router.training.distill import distillation_loss
+from early_exit_router.training.gates import coverage_at
+from early_exit_router.training.hidden_states import HiddenStateCache, chunk_positions
 
 
 @dataclass
