@@ -64,7 +64,7 @@ class RouterConfig:
             "own accepted prefix (rejected drafts become masked holes in a rectangular cache); 'synchronous': the "
             "batch drafts from the exits only when every row may and keeps the shortest accepted prefix. Exit-mode "
             "batches are always synchronous, and verify-mode sampling always runs per row. The default is the "
-            "faster in `bench-batch` on this project's CPU (README, Batches)."
+            "faster in `bench-batch` on this project's CPU (docs/batching.md)."
         },
     )
     draft_vocab_size: int = field(

@@ -4,9 +4,9 @@
 #   ./quickstart.sh setup && PATH="$PWD/.venv/bin:$PATH" examples/train_shipped_heads.sh OUT_DIR
 #
 # The four steps of checkpoints/README.md, in order:
-#   1. `postnorm` heads at exits 4 / 16 / 24 on the self-distillation corpus (16000 steps; session 7),
-#   2. the residual block at L16, warm-started from step 1's L16 head (17176 steps; session 9),
-#   3. the gates refit with text of their own (the model's answers to 400 fresh prompts; session 10),
+#   1. `postnorm` heads at exits 4 / 16 / 24 on the self-distillation corpus (16000 steps),
+#   2. the residual block at L16, warm-started from step 1's L16 head (17176 steps),
+#   3. the gates refit with text of their own (the model's answers to 400 fresh prompts),
 #   4. `calibrate` to teacher-forced agreement >= 0.95 on the calibration prompts, saved to OUT_DIR with the
 #      shipped router's hand-set fields (verify mode by default, exit acceptance prior 0.3).
 # About four hours on 2 CPU threads (every step pins 2). OUT_DIR.work keeps each step's output and the cached

@@ -212,12 +212,12 @@ def test_gates_with_context_train_save_and_steer_nothing_in_verify_mode(tmp_path
 def test_context_gates_see_the_ngram_match_of_the_current_context(monkeypatch):
     """The decoder memoises the gates' n-gram features per position (from the step's own proposal scan when there
     is one); every gate call must still see what a fresh scan of the context would say, rollbacks included."""
-    from early_exit_router.decode import drafters
+    from early_exit_router.decode import drafting
     from early_exit_router.routing.ngram import ngram_match
 
     router, train, holdout, cfg = trained_router()
     train_gates(router, train, holdout, cfg, context=True)
-    original, calls = drafters.gate_probability_at, []
+    original, calls = drafting.gate_probability_at, []
 
     def checked(dec, i, gate, last, logits=None):
         out = original(dec, i, gate, last, logits)
@@ -227,7 +227,7 @@ def test_context_gates_see_the_ngram_match_of_the_current_context(monkeypatch):
         calls.append(bool(found))
         return out
 
-    monkeypatch.setattr(drafters, "gate_probability_at", checked)
+    monkeypatch.setattr(drafting, "gate_probability_at", checked)
     repetitive = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
     for mode in ("exit", "verify"):
         for policy in ("fixed", "cost"):
@@ -239,7 +239,7 @@ def test_context_gates_see_the_ngram_match_of_the_current_context(monkeypatch):
 def test_a_rollback_forgets_the_gates_ngram_memo():
     """A rolled-back context can regrow to the same length with another tail: the gate must then see the new
     context's n-gram match, not the one memoised before the rollback."""
-    from early_exit_router.decode.drafters import gate_probability_at
+    from early_exit_router.decode.drafting import gate_probability_at
     from early_exit_router.decode.sampling import SamplingParams, TokenSelector
     from early_exit_router.decode.stopping import DecodeRequest
 
@@ -270,7 +270,7 @@ def test_gate_features_replayed_offline_equal_those_the_decoder_computed_online(
     """Both go through `routing/gate_context.py`: every context feature a gate saw while decoding (the n-gram tier's
     next copy, the exit's running acceptance) is what training's replay computes from the same text and the same
     verdicts, from the same prior (the config's exit prior, not a constant of its own)."""
-    from early_exit_router.decode import drafters
+    from early_exit_router.decode import drafters, drafting
     from early_exit_router.routing import gate_context
     from early_exit_router.routing.policy import AcceptanceTracker
 
@@ -278,7 +278,7 @@ def test_gate_features_replayed_offline_equal_those_the_decoder_computed_online(
     train_gates(router, train, holdout, cfg, context=True)
     router.config = router.config.replace(exit_acceptance_prior=0.3, gate_threshold=0.0, mode="exit", policy="fixed")
     calls, seen, verdicts = [], [], {}  # per gate call: where, and what it saw; per exit: the verdicts so far
-    original_gate, original_features = drafters.gate_probability_at, gate_context.context_features
+    original_gate, original_features = drafting.gate_probability_at, gate_context.context_features
     original_observe = AcceptanceTracker.observe
 
     def gate_at(dec, i, gate, last, logits=None):
@@ -297,7 +297,7 @@ def test_gate_features_replayed_offline_equal_those_the_decoder_computed_online(
     repetitive = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(drafters, "context_features", features)
-        patch.setattr(drafters, "gate_probability_at", gate_at)
+        patch.setattr(drafting, "gate_probability_at", gate_at)
         patch.setattr(AcceptanceTracker, "observe", observe)
         out = router.generate(repetitive, max_new_tokens=30)
     tokens = out.sequences[0].tolist()

@@ -12,21 +12,16 @@ A token that goes deep carries every waiting slot with it through the rest of th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from early_exit_router.decode import batch as batching
 from early_exit_router.decode.emit import append, choose, row_ids
-from early_exit_router.decode.state import Row
+from early_exit_router.decode.state import DecodeState, Row
 from early_exit_router.decode.verify import accept_greedy, accept_sampled, longest_prefix, shortest_prefix
 from early_exit_router.models import _compat
 
-if TYPE_CHECKING:
-    from early_exit_router.decode.loop import Decoder
 
-
-def flush(dec: Decoder) -> None:
+def flush(dec: DecodeState) -> None:
     """Run every waiting slot through the rest of the model, with no new token."""
     end = dec.slots.length - 1  # fed slots are 0..end-1; the waiting ones end the range
     *_, at = dec.fill.walk(None, end, end, dec.slots, set())  # the full depth
@@ -35,7 +30,7 @@ def flush(dec: Decoder) -> None:
     deep_pass(dec, at.hidden, at.chunk_start, has_current=False)
 
 
-def deep_pass(dec: Decoder, hidden: torch.Tensor, chunk_start: int, has_current: bool) -> None:
+def deep_pass(dec: DecodeState, hidden: torch.Tensor, chunk_start: int, has_current: bool) -> None:
     """Final-layer states (b, m, hidden) of slots chunk_start..chunk_start+m-1: check the exited tokens, verify the
     cycle's drafts, and append the next token. Every slot but the current one (when `has_current`) predicted a
     drafted token."""
@@ -82,7 +77,7 @@ def deep_pass(dec: Decoder, hidden: torch.Tensor, chunk_start: int, has_current:
         row.drafts.clear()
 
 
-def _sample_checks(dec: Decoder, n_drafts: int) -> list[int]:
+def _sample_checks(dec: DecodeState, n_drafts: int) -> list[int]:
     """Which of a chunk's exited tokens exit mode checks: every one at `check_fraction` 1, none at 0, else an evenly
     spread share (deterministic, so runs repeat)."""
     fraction = dec.config.check_fraction if dec.config.check_agreement else 0.0
@@ -95,7 +90,7 @@ def _sample_checks(dec: Decoder, n_drafts: int) -> list[int]:
     return picked
 
 
-def verify(dec: Decoder, logits: torch.Tensor, first: int, has_current: bool) -> None:
+def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool) -> None:
     """Accept, per row, the longest prefix of its drafts the full model agrees with; emit the full model's token
     after it. `logits` (b, k, vocab): predictions at slots first..first+k-1, the drafts sit at first+1..
 
@@ -174,7 +169,7 @@ def _book(row: Row, logits: torch.Tensor, count: int, accepted: int) -> None:
                 row.logits[len(row.logits) - count + j] = logits[j : j + 1].float().clone()
 
 
-def _batch_choices(dec: Decoder, logits: torch.Tensor, first: int) -> list[list[int]] | None:
+def _batch_choices(dec: DecodeState, logits: torch.Tensor, first: int) -> list[list[int]] | None:
     """Every row's greedy choice at each predicted slot in one host sync: the raw argmax where no row has
     processors, the processed one where all rows share one selector (HF's processors keep per-batch state); None
     otherwise (rows are then scored one by one)."""
@@ -189,13 +184,13 @@ def _batch_choices(dec: Decoder, logits: torch.Tensor, first: int) -> list[list[
     return torch.stack(scores, dim=1).argmax(dim=-1).tolist()
 
 
-def greedy_row(dec: Decoder, r: int, row: Row, logits: torch.Tensor, first: int) -> list[int]:
+def greedy_row(dec: DecodeState, r: int, row: Row, logits: torch.Tensor, first: int) -> list[int]:
     """Row r's greedy choice at each predicted slot, after its logits processors (each sees the right prefix)."""
     return _scores(dec, r, row, logits, first).argmax(dim=-1).tolist()
 
 
 def _sample_row(
-    dec: Decoder, r: int, row: Row, logits: torch.Tensor, first: int, drafts: list[int]
+    dec: DecodeState, r: int, row: Row, logits: torch.Tensor, first: int, drafts: list[int]
 ) -> tuple[list[bool], int | None]:
     """Row r's verdicts and next token under speculative sampling."""
     scores = _scores(dec, r, row, logits, first)
@@ -211,14 +206,14 @@ def _sample_row(
     return accept_sampled(torch.softmax(scores, dim=-1), q, drafted, row.selector.generator)
 
 
-def _scores(dec: Decoder, r: int, row: Row, logits: torch.Tensor, first: int) -> torch.Tensor:
+def _scores(dec: DecodeState, r: int, row: Row, logits: torch.Tensor, first: int) -> torch.Tensor:
     """(m, vocab) the scores row r chooses from at slots first..first+m-1 (processors see the right prefix)."""
     return torch.cat(
         [row.selector.scores(row_ids(dec, r, first + j + 1), logits[j : j + 1]) for j in range(logits.shape[0])]
     )
 
 
-def judge(dec: Decoder, first: int, offsets: list[int] | None, verdicts: list[list[bool]]) -> None:
+def judge(dec: DecodeState, first: int, offsets: list[int] | None, verdicts: list[list[bool]]) -> None:
     """Book the deep pass's verdicts on each row's drafts (at `offsets` from slot `first`, default 0, 1, ...):
     per-tier counts, acceptance estimates, the rolling monitor and the threshold controller."""
     seen: list[bool] = []
@@ -237,7 +232,7 @@ def judge(dec: Decoder, first: int, offsets: list[int] | None, verdicts: list[li
             dec.rule.adjust(dec.routing, rolling)
 
 
-def _judge_proposals(dec: Decoder, accepted: list[int], tokens: list[int | None]) -> None:
+def _judge_proposals(dec: DecodeState, accepted: list[int], tokens: list[int | None]) -> None:
     """Each row's n-gram proposal of this cycle, judged where it went beyond what was verified: the first undrafted
     token against the token the full model chose (so a match length switched off is noticed again)."""
     for row, a, token in zip(dec.rows, accepted, tokens):
@@ -246,7 +241,7 @@ def _judge_proposals(dec: Decoder, accepted: list[int], tokens: list[int | None]
             dec.tracker.observe(("ngram", proposal.match), proposal.tokens[row.drafted] == token)
 
 
-def head(dec: Decoder, hidden: torch.Tensor) -> torch.Tensor:
+def head(dec: DecodeState, hidden: torch.Tensor) -> torch.Tensor:
     """Final-layer logits of a deep chunk (one sequence: its rows padded to the cheapest measured count).
 
     Non-finite logits (an fp16 overflow, typically) would otherwise be argmaxed into garbage silently."""

@@ -6,32 +6,26 @@ through `propose`.
 - `SuffixDrafter`: the zero-layer tier: the tokens that followed the latest earlier occurrence of the context's
   longest matching suffix, in this context or in the router's earlier sequences (`routing/ngram.py`).
 
-Whether a draft is taken is the exit rule's and the policy's call (`routing/`); the deep pass judges it (`verify.py`).
+Whether a draft is taken is the exit rule's and the policy's call (`routing/`), drafting it into a decode is
+`drafting.py`'s, and the deep pass judges it (`verify.py`).
 Compare transformers' `CandidateGenerator` (`get_candidates` / `update_candidate_strategy`): here a drafter proposes,
 and the decoder books every verdict in the acceptance estimates the policy reads.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from early_exit_router.config import RouterConfig
-from early_exit_router.decode.emit import append, choose, embed, row_ids
-from early_exit_router.decode.state import Draft, Row, VerifyCycle
 from early_exit_router.heads.block import BlockContext
 from early_exit_router.heads.draft import draft_logits
 from early_exit_router.heads.exit_heads import ExitHeads
 from early_exit_router.heads.gates import gate_probability, uses_head
 from early_exit_router.models.architecture import LayerStack
-from early_exit_router.routing.gate_context import context_features, next_copy
+from early_exit_router.routing.gate_context import context_features
 from early_exit_router.routing.ngram import NO_PROPOSAL, Proposal, SuffixStore, ngram_match, prefer_stored
-from early_exit_router.routing.policy import TierKey
-
-if TYPE_CHECKING:
-    from early_exit_router.decode.loop import Decoder
 
 NGRAM_LAYER = -1  # exit-histogram key of the zero-layer n-gram tier
 
@@ -43,24 +37,15 @@ class SuffixDrafter:
         self.config = config
         self.store = store
 
-    def propose(self, row: Row, budget: int) -> Proposal:
-        """Up to `budget` tokens for `row`: the longer match of its context and the store (on a tie, the longer
-        proposal; then the context)."""
+    def propose(self, tokens: list[int], budget: int) -> tuple[Proposal, int]:
+        """Up to `budget` tokens to follow `tokens`: the longer match of the context and the store (on a tie, the
+        longer proposal; then the context's). Also returns the token the context's own match copies first (-1:
+        none), which a gate reads."""
         if budget <= 0:
-            return NO_PROPOSAL
+            return NO_PROPOSAL, -1
         cfg = self.config
-        found = ngram_match(row.tokens, cfg.ngram_size, budget, cfg.ngram_min_size)
-        row.ngram_memo = (len(row.tokens), found.tokens[0] if found.tokens else -1)  # gates read this scan's answer
-        return prefer_stored(found, self.store, row.tokens, budget)
-
-    def next_token(self, row: Row) -> int:
-        """The token the tier would copy next in `row`'s own context (-1: none): a gate feature, one scan per
-        context length whichever exits ask."""
-        length, token = row.ngram_memo
-        if length != len(row.tokens):
-            token = next_copy(row.tokens, self.config.ngram_size, self.config.ngram_min_size)
-            row.ngram_memo = (len(row.tokens), token)
-        return token
+        found = ngram_match(tokens, cfg.ngram_size, budget, cfg.ngram_min_size)
+        return prefer_stored(found, self.store, tokens, budget), (found.tokens[0] if found.tokens else -1)
 
     def remember(self, tokens: list[int]) -> None:
         """A finished sequence (prompt and output) for later calls to copy from."""
@@ -112,153 +97,3 @@ class ExitDrafter:
     def needs_context(gate: Any) -> bool:
         """Whether the gate reads the context features (or the n-gram token, as a head gate does)."""
         return bool(getattr(gate, "uses_context", False) or uses_head(gate))
-
-
-# ------------------------------------------------------------------------------------------- drafting in a decoder
-def try_exit(
-    dec: Decoder, i: int, hidden: torch.Tensor, q: int, target: int | None, key: TierKey | None = None
-) -> bool:
-    """Ask exit `i` about slot `q` for every row; when every unfinished row may leave, emit each row's head token and
-    park the chunk in front of the next segment. `target`: a block's decision, taken without asking."""
-    last = hidden[:, -1]  # (b, hidden): the current token at this exit
-    gate = dec.exit_drafter.gate(i)
-    if target is None and gate is not None and not uses_head(gate):
-        t0 = time.perf_counter()
-        allowed = _every_active(dec, dec.rule.gate_allows(gate_probability_at(dec, i, gate, last)))
-        dec.passes.routing_s += time.perf_counter() - t0
-        if not allowed:
-            return False
-    logits = dec.exit_drafter.logits(i, last, dec.fill.blocks)  # (b, vocab)
-    # Greedy: choose before deciding, so that one host sync fetches the decision and the tokens together.
-    # Sampling: draw only once the tokens exit, so the generator serves emitted tokens alone (never-exit sampling
-    # then draws exactly what HF sampling draws from the same seed).
-    sampling = any(row.selector.params.do_sample for row in dec.rows)
-    tokens = None if sampling else choose(dec, q + 1, logits)
-    chosen: list[float] = []
-    if target is None:
-        t0 = time.perf_counter()
-        ok, confidence = exit_flags(dec, i, last, logits, with_gate=False)[1:]
-        signals = [ok.double(), confidence.double()] + ([] if tokens is None else list(tokens.double()))
-        ok, low, *chosen = torch.stack(signals).tolist()
-        dec.passes.routing_s += time.perf_counter() - t0
-        if not ok:
-            return False
-        dec.rule.start_block(dec.routing, i)
-        dec.rule.record_exit(dec.routing, low)
-    if tokens is None:
-        tokens = choose(dec, q + 1, logits)
-    ids = [int(t) for t in chosen] if chosen else tokens.tolist()
-    dec.fill.park(i, hidden)
-    verified = dec.mode == "verify" or dec.cycle is not None
-    if verified and dec.cycle is None:
-        dec.cycle = VerifyCycle(q)
-    for r, row in enumerate(dec.rows):
-        if not row.done:
-            law = None
-            if verified and row.selector.params.do_sample:
-                scores = row.selector.scores(row_ids(dec, r, q + 1), logits[r : r + 1])
-                law = torch.softmax(scores, dim=-1)[0]
-            row.drafts[q] = Draft(i, key or ("exit", i), law)
-    append(dec, tokens, ids, dec.exits[i], logits)
-    return True
-
-
-def exit_flags(
-    dec: Decoder, i: int, last: torch.Tensor, logits: torch.Tensor, with_gate: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exit `i`'s cascade on its head's `logits` (b, vocab): (b,) flags, whether every unfinished row may leave, and
-    the lowest confidence among them. A head gate's probability is the confidence; `with_gate` also folds in a gate
-    that runs before the head (the decoder asks that one first, probes do not)."""
-    gate = dec.exit_drafter.gate(i)
-    learned = gate_probability_at(dec, i, gate, last, logits) if uses_head(gate) else None
-    flags, confidence = dec.rule.head_signal(logits, dec.routing.threshold_shift, learned, dec.exit_drafter.draft_ids)
-    if with_gate and gate is not None and learned is None:
-        flags = flags & dec.rule.gate_allows(gate_probability_at(dec, i, gate, last))
-    active = _active(dec)
-    if active is None:
-        return flags, flags.all(), confidence.min()
-    on = torch.tensor(active, device=flags.device)
-    low = confidence[on].min() if any(active) else confidence.new_ones(())
-    return flags, (flags | ~on).all(), low
-
-
-def gate_probability_at(
-    dec: Decoder, i: int, gate: torch.nn.Module, last: torch.Tensor, logits: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Exit `i`'s gate probability (b,) for the current slot, with the context features where it reads them."""
-    tokens = [dec.suffix.next_token(row) for row in dec.rows] if dec.exit_drafter.needs_context(gate) else None
-    return dec.exit_drafter.gate_probability(gate, last, tokens, dec.tracker.estimate(("exit", i)), logits)
-
-
-def _every_active(dec: Decoder, flags: torch.Tensor) -> bool:
-    active = _active(dec)
-    if active is None:
-        return bool(flags.all())
-    return bool((flags | ~torch.tensor(active, device=flags.device)).all())
-
-
-def _active(dec: Decoder) -> list[bool] | None:
-    """Which rows still decide (None: all of them)."""
-    active = [not row.done for row in dec.rows]
-    return None if all(active) else active
-
-
-def probe_exits(dec: Decoder, shadows: list[tuple[int, torch.Tensor]]) -> None:
-    """Shadow tokens: would each exit have drafted the token the deep pass just chose, from the states (b, hidden)
-    the step computed at it anyway?"""
-    t0 = time.perf_counter()
-    dec.passes.probes += 1
-    chosen = torch.tensor([row.tokens[-1] for row in dec.rows], device=shadows[0][1].device)
-    probed, signals = [], []
-    for i, last in shadows:
-        if i in dec.fill.blocks and dec.fill.blocks[i].end != dec.slots.length - 1:
-            continue  # the probed position was rolled back: nothing to ask the block about
-        logits = dec.exit_drafter.logits(i, last, dec.fill.blocks)  # (b, vocab)
-        flags = exit_flags(dec, i, last, logits, with_gate=True)[0]
-        probed.append(i)
-        signals.append(flags & (logits.argmax(dim=-1) == chosen))
-    if signals:
-        for i, oks in zip(probed, torch.stack(signals).tolist()):  # one host sync for every exit
-            for ok in oks:
-                dec.tracker.observe(("exit", i), bool(ok))
-    dec.passes.routing_s += time.perf_counter() - t0
-
-
-def append_ngram(dec: Decoder, proposals: list[Proposal | None]) -> int:
-    """Append each row's n-gram proposal as drafts, column by column (a row with a shorter one gets holes after it);
-    their embeddings wait in front of segment 0. A row stops drafting at a token that ends its generation. Returns
-    how many slots were appended."""
-    q = dec.slots.length - 1
-    verified = dec.mode == "verify" or not dec.config.ngram_unverified
-    if verified and dec.cycle is None:  # exit mode: the tokens waiting now stay final; verify what follows
-        dec.cycle = VerifyCycle(q)
-    tier, vocab, device = len(dec.exits), dec.stack.vocab_size, dec.slots.seq.device
-    drafting = [p is not None and bool(p.tokens) for p in proposals]
-    width = 0
-    while True:
-        column = [p.tokens[width] if on and width < len(p.tokens) else None for p, on in zip(proposals, drafting)]
-        if all(t is None for t in column):
-            break
-        for row, token, proposal in zip(dec.rows, column, proposals):
-            if token is not None:
-                law = _point_mass(vocab, token, device) if verified and row.selector.params.do_sample else None
-                row.drafts[q + width] = Draft(tier, ("ngram", proposal.match), law)
-                row.drafted += 1
-        ids = [dec.pad_token_id if t is None else t for t in column]
-        logits = None
-        if any(row.request.output_logits for row in dec.rows):  # the tier's "logits": all mass on the copy
-            logits = torch.full((len(ids), vocab), float("-inf"), device=device)
-            logits[torch.arange(len(ids)), torch.tensor(ids)] = 0.0
-        append(dec, torch.tensor(ids, device=device), column, NGRAM_LAYER, logits)
-        width += 1
-        # Every stop rule sees every token, as in plain decoding: a draft ends at the first token that stops.
-        drafting = [on and t is not None and row.stop_at is None for on, t, row in zip(drafting, column, dec.rows)]
-    dec.fill.queue(embed(dec, q, width))  # (b, width, hidden): slots q..q+width-1
-    return width
-
-
-def _point_mass(vocab: int, token: int, device: torch.device) -> torch.Tensor:
-    """A copied token's draft law when sampling in a verify cycle: all mass on it."""
-    q = torch.zeros(vocab, device=device)
-    q[token] = 1.0
-    return q

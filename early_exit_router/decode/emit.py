@@ -6,29 +6,25 @@ row whose stop is final is done (`settle`): its streamer ends and its text goes 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from early_exit_router.decode.state import DecodeState
 from early_exit_router.decode.stopping import ends_generation
 
-if TYPE_CHECKING:
-    from early_exit_router.decode.loop import Decoder
 
-
-def embed(dec: Decoder, first: int, count: int = 1) -> torch.Tensor:
+def embed(dec: DecodeState, first: int, count: int = 1) -> torch.Tensor:
     """(b, count, hidden) embeddings of slots first..first+count-1."""
     positions = dec.slots.positions(first, first + count)
     return dec.stack.embed(dec.slots.seq[:, first : first + count], first, positions=positions)
 
 
-def row_ids(dec: Decoder, r: int, end: int) -> torch.Tensor:
+def row_ids(dec: DecodeState, r: int, end: int) -> torch.Tensor:
     """(1, n) row r's ids before slot `end`, as HF's processors and stopping criteria see them."""
     row = dec.rows[r]
     return dec.slots.row_ids(r, end, row.prompt_ids, row.start, row.new_tokens)
 
 
-def choose(dec: Decoder, end: int, logits: torch.Tensor) -> torch.Tensor:
+def choose(dec: DecodeState, end: int, logits: torch.Tensor) -> torch.Tensor:
     """(b, vocab) -> (b,) tokens, each row by its own selector (one call when they share one or are all plain
     greedy); processors see the ids before slot `end`."""
     rows, first = dec.rows, dec.rows[0].selector
@@ -41,7 +37,9 @@ def choose(dec: Decoder, end: int, logits: torch.Tensor) -> torch.Tensor:
     )
 
 
-def append(dec: Decoder, tokens: torch.Tensor, ids: list[int | None], layer: int, logits: torch.Tensor | None) -> None:
+def append(
+    dec: DecodeState, tokens: torch.Tensor, ids: list[int | None], layer: int, logits: torch.Tensor | None
+) -> None:
     """Write one slot: row r's token `ids[r]` (None: a hole, or the pad token of a finished row), with its depth, its
     logits where requested, and every stop rule checked on it."""
     done = [row.done for row in dec.rows]
@@ -67,7 +65,7 @@ def append(dec: Decoder, tokens: torch.Tensor, ids: list[int | None], layer: int
             row.stop_at = len(row.new_tokens)
 
 
-def settle(dec: Decoder) -> None:
+def settle(dec: DecodeState) -> None:
     """Stream each row's final tokens; a row whose stop is final is done: its streamer ends, and its text goes to
     the n-gram store."""
     for row in dec.rows:

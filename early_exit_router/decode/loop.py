@@ -32,18 +32,12 @@ from early_exit_router.config import MODES, RouterConfig
 from early_exit_router.decode import batch as batching
 from early_exit_router.decode.batch import Slots
 from early_exit_router.decode.deep import deep_pass, flush, head
-from early_exit_router.decode.drafters import (
-    NGRAM_LAYER,
-    ExitDrafter,
-    SuffixDrafter,
-    append_ngram,
-    probe_exits,
-    try_exit,
-)
+from early_exit_router.decode.drafters import NGRAM_LAYER, ExitDrafter, SuffixDrafter
+from early_exit_router.decode.drafting import append_ngram, probe_exits, propose_ngram, try_exit
 from early_exit_router.decode.emit import append, choose, embed, settle
 from early_exit_router.decode.sampling import TokenSelector
 from early_exit_router.decode.segments import LayerwiseFill
-from early_exit_router.decode.state import Row, VerifyCycle
+from early_exit_router.decode.state import DecodeState, Row, VerifyCycle
 from early_exit_router.decode.stats import (
     AgreementMonitor,
     GenerationStats,
@@ -66,7 +60,7 @@ from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Pla
 BATCH_DESIGNS = ("synchronous", "per_row")
 
 
-class Decoder:
+class Decoder(DecodeState):
     """One decode in flight: `prefill` (or `join`) rows, `step` until `finished`, then `finish`; each row's `output()`
     and `stats(row)` are there all along.
 
@@ -297,7 +291,7 @@ class Decoder:
         proposals: list[Proposal | None] = []
         for row, budget in zip(self.rows, budgets):
             tier = self.config.ngram_tier and budget > 0 and not row.done
-            proposal = self.suffix.propose(row, min(self.config.ngram_draft, budget)) if tier else NO_PROPOSAL
+            proposal = propose_ngram(self, row, min(self.config.ngram_draft, budget)) if tier else NO_PROPOSAL
             proposals.append(None if row.done else proposal)
         if self.policy is not None:
             plan = self.policy.plan(self.tracker, max(budgets), proposals, exits=self._exits_draft())
@@ -320,7 +314,7 @@ class Decoder:
         exited tokens wait: the next deep pass fills those (final, only checked) and verifies the drafts after them."""
         row = self.rows[0]
         budget = min(self.config.ngram_draft, self._draft_budget(row))
-        proposal = self.suffix.propose(row, budget)
+        proposal = propose_ngram(self, row, budget)
         if not proposal.tokens:
             return False
         append_ngram(self, [proposal])

@@ -6,10 +6,10 @@
   was drawn from.
 - `VerifyCycle`: drafts in flight that the next deep pass verifies, from one slot on (verify mode: every draft; exit
   mode: the n-gram tier's, and whatever follows them until that pass).
-
-The KV fill (the cache and the hidden states waiting in front of each segment) is `segments.LayerwiseFill`; the slots
-every row's tokens sit in are `batch.Slots`; the policy's memory (acceptance estimates, the current plan) and the
-batch's counters belong to the decoder.
+- `DecodeState`: everything one decode shares between the phases of a step (`drafting.py`, `deep.py`, `emit.py`):
+  the rows, the slots they share (`batch.Slots`), the KV fill (`segments.LayerwiseFill`), the cycle in flight, the
+  policy's memory (acceptance estimates, the current plan) and the batch's counters. `loop.Decoder` builds it and
+  runs the steps.
 """
 
 from __future__ import annotations
@@ -19,11 +19,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from early_exit_router.config import RouterConfig
+from early_exit_router.decode.batch import Slots
+from early_exit_router.decode.drafters import ExitDrafter, SuffixDrafter
 from early_exit_router.decode.sampling import TokenSelector
-from early_exit_router.decode.stats import RowCounters
+from early_exit_router.decode.segments import LayerwiseFill
+from early_exit_router.decode.stats import AgreementMonitor, PassCounters, RowCounters
 from early_exit_router.decode.stopping import DecodeRequest, StreamFrontier
+from early_exit_router.heads.exit_heads import ExitHeads
+from early_exit_router.models.architecture import LayerStack
+from early_exit_router.routing.costs import CostModel
+from early_exit_router.routing.exit_rule import ExitRule, RoutingState
 from early_exit_router.routing.ngram import Proposal
-from early_exit_router.routing.policy import TierKey
+from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
 
 
 @dataclass
@@ -90,3 +98,32 @@ class Row:
         if self.stop_at is not None and self.stop_at > keep:
             self.stop_at = None
         self.ngram_memo = (-1, -1)  # the context may regrow to the same length with other tokens
+
+
+class DecodeState:
+    """What the phases of a step share (see the module docstring); `loop.Decoder` sets every attribute."""
+
+    stack: LayerStack
+    heads: ExitHeads
+    rule: ExitRule
+    config: RouterConfig
+    mode: str  # "exit" or "verify": this decode's, for good
+    costs: CostModel | None
+    per_row: bool  # the per-row batch design (else synchronous)
+    pad_token_id: int
+    exits: list[int]  # the consulted exit layers, in depth order
+    full_layer: int
+    block_exits: list[int]  # indices into `exits` whose adapter is a block with a context of its own
+    policy: DraftPolicy | None  # the cost policy (None: the fixed cascade)
+    suffix: SuffixDrafter
+    exit_drafter: ExitDrafter
+    tracker: AcceptanceTracker  # acceptance estimates per tier
+    routing: RoutingState  # the exit rule's memory: blocks, recent confidences, the controller's shift
+    monitor: AgreementMonitor
+    passes: PassCounters
+    rows: list[Row]
+    slots: Slots | None
+    fill: LayerwiseFill | None
+    cycle: VerifyCycle | None  # drafts in flight that the next deep pass verifies
+    plan: Plan | None  # the cost policy's current draft cycle
+    cycle_drafts: int  # drafts that cycle has made so far

@@ -1,6 +1,6 @@
 """`calibrate`: choose the exit threshold that is fastest while meeting a quality target, and check it held out.
 
-Method (documented in README, "Calibration"):
+Method (documented in docs/training.md, "Calibration"):
 
 1. Split the prompts into a calibration half and a held-out half (alternating within each category).
 2. On the calibration half, run the control (plain HF greedy) and the router at every candidate threshold t
@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from early_exit_router.bench.bench import CONTROL, BenchConfig, format_value, run_bench, threshold_overrides
+from early_exit_router.bench.bench import CONTROL, BenchConfig, run_bench, threshold_overrides
+from early_exit_router.bench.report import format_value
 
 DEFAULT_CANDIDATES = (0.99, 0.97, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 
@@ -259,7 +260,7 @@ def calibrate(
     if best.speedup is not None and best.speedup < 1:
         result.notes.append(
             f"The chosen threshold is slower than plain HF generation on this machine ({best.speedup:.2f}x): "
-            "the exit heads cost more than the layers they skip here (see `compute` and the README)."
+            "the exit heads cost more than the layers they skip here (see `compute` and docs/benchmarks.md)."
         )
     check = run_bench(router, heldout_prompts, _heldout_config(bench_cfg), progress=progress)
     row = next(r for r in check.summary if r["category"] == "all" and r["arm"] == f"router {cfg.mode} (loaded config)")

@@ -1,0 +1,120 @@
+"""Rendering a bench run: the markdown tables and the speed/quality plot, from its `meta` and `summary` (plain dicts,
+so a saved bench.json renders again).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def format_value(value: Any, spec: str = ".2f") -> str:
+    """`value` formatted with `spec`, or an en dash for a missing value (tables)."""
+    return "–" if value is None else format(value, spec)
+
+
+def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
+    """The summary as markdown: a header, then one table per category."""
+    lines = [
+        f"model: {meta['model']}",
+        f"machine: {meta['machine']}; {meta['dtype']}, weights {'+'.join(meta.get('weights', ['dense']))}; "
+        f"torch {meta['torch']}, transformers {meta['transformers']}",
+        f"{meta['prompts']} prompts, {meta['bench_config']['max_new_tokens']} new tokens max, greedy, "
+        f"{meta['bench_config']['repeats']} repeat(s); speedup = tokens/s over the control's in the same run; "
+        "compute = decode multiply-adds per token over the full model's; exits = share of tokens per shallow "
+        "depth; agreement = teacher-forced agreement with the full model; NLL = full-model NLL of the output over "
+        "the control's; token match and 1st diff (median first differing position) compare with the control.",
+    ]
+    columns = [
+        "arm", "tok/s", "speedup", "hit rate", "exits", "compute", "agreement", "NLL ratio", "ROUGE-L",
+        "token match", "1st diff", "identical", "TTFT ms", "ITL p50/p99 ms", "routing", "plain", "cycles", "peak MB",
+    ]  # fmt: skip
+    num_layers = meta["num_layers"]
+    for category in dict.fromkeys(row["category"] for row in summary):
+        rows = [row for row in summary if row["category"] == category]
+        lines += ["", f"### {category}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        for row in rows:
+            cells = [
+                row["arm"],
+                f"{row['tokens_per_s']:.1f}",
+                f"{format_value(row['speedup'])}x",
+                f"{row['hit_rate']:.2f}",
+                _histogram(row["exit_histogram"], row["tokens"], num_layers),
+                format_value(row["compute_ratio"]),
+                f"{row['teacher_forced_agreement']:.3f}",
+                format_value(row["nll_ratio"]),
+                format_value(row["rouge_l"]),
+                format_value(row["token_match"]),
+                format_value(row["first_divergence_median"], ".0f"),
+                f"{row['identical']}/{row['runs']}",
+                format_value(row["ttft_ms"], ".0f"),
+                f"{format_value(row['itl_p50_ms'], '.0f')}/{format_value(row['itl_p99_ms'], '.0f')}",
+                format_value(row["routing_overhead"], ".1%"),
+                format_value(row.get("plain_share"), ".2f") if row.get("policy_cycles") else "–",
+                ", ".join(f"{k} {v}" for k, v in (row.get("policy_cycles") or {}).items()) or "–",
+                format_value(row["peak_memory_mb"], ".0f"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    if meta.get("cost_model"):
+        from early_exit_router.routing.costs import CostModel
+
+        lines += ["", "### cost model the policy decided from", "", CostModel.from_dict(meta["cost_model"]).markdown()]
+    return "\n".join(lines)
+
+
+def _histogram(histogram: dict, tokens: int, num_layers: int) -> str:
+    """Share of tokens per shallow depth, e.g. 'L12 .10, L24 .15, ngram .05' ('–' when nothing exited)."""
+    parts = []
+    for layer, count in sorted((int(k), v) for k, v in histogram.items()):
+        if layer != num_layers - 1 and count:
+            share = f"{count / max(1, tokens):.2f}".lstrip("0")
+            parts.append(f"{'ngram' if layer < 0 else f'L{layer}'} {share}")
+    return ", ".join(parts) or "–"
+
+
+def plot_tradeoff(meta: dict[str, Any], summary: list[dict[str, Any]], path: str | Path) -> None:
+    """PNG: per category, speedup (top) and compute saved (bottom) against teacher-forced agreement."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(
+            "The plot needs matplotlib: pip install 'early-exit-router[bench]' (or pip install matplotlib)."
+        ) from None
+    categories = list(dict.fromkeys(row["category"] for row in summary))
+    fig, axes = plt.subplots(2, len(categories), figsize=(4.2 * len(categories), 7.5), squeeze=False)
+    for col, category in enumerate(categories):
+        rows = [row for row in summary if row["category"] == category]
+        for ax, key, label in (
+            (axes[0][col], "speedup", "speedup over plain HF (measured)"),
+            (axes[1][col], "compute_ratio", "compute per token / full model"),
+        ):
+            families = dict.fromkeys(row["family"] for row in rows)
+            for family in families:
+                points = [r for r in rows if r["family"] == family and r[key] is not None]
+                if not points:
+                    continue
+                if any(r["threshold"] is None for r in points):  # single configurations: one marker each
+                    for r in points:
+                        marker = "s" if family == "HF" else "^"
+                        ax.scatter(r[key], r["teacher_forced_agreement"], marker=marker, label=r["arm"])
+                    continue
+                points.sort(key=lambda r: r["threshold"] or 0)
+                xs = [r[key] for r in points]
+                ys = [r["teacher_forced_agreement"] for r in points]
+                ax.plot(xs, ys, marker="o", label=family)
+                for r in points:
+                    if r["threshold"] is not None:
+                        ax.annotate(f"{r['threshold']:g}", (r[key], r["teacher_forced_agreement"]), fontsize=7)
+            ax.set_xlabel(label)
+            ax.set_ylabel("agreement with full model")
+            ax.set_title(category)
+            ax.grid(alpha=0.3)
+        if col == 0:
+            axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{meta['model'].split(':')[0]} on {meta['machine']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,71 @@
+"""Command line: `early-exit-router generate ...`. Each command's module adds its own subparser and runs it; the
+shared options live in `options`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+from types import ModuleType
+
+from early_exit_router.cli import (
+    bench,
+    bench_batch,
+    calibrate,
+    eval_heads,
+    export_draft,
+    generate,
+    loadtest,
+    memory,
+    profile,
+    serve,
+    survey,
+    train_heads,
+)
+
+# Command name -> the module that owns its parser (`add_parser(sub)`) and its body (`run(args)`), in help order.
+COMMANDS: dict[str, ModuleType] = {
+    "generate": generate,
+    "train-heads": train_heads,
+    "eval-heads": eval_heads,
+    "bench": bench,
+    "loadtest": loadtest,
+    "bench-batch": bench_batch,
+    "profile": profile,
+    "survey": survey,
+    "memory": memory,
+    "calibrate": calibrate,
+    "serve": serve,
+    "export-draft": export_draft,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="early-exit-router",
+        description="One-model early-exit generation for Hugging Face causal LMs, with layer-wise KV filling.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in COMMANDS.values():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    warnings.simplefilter("default", UserWarning)
+    # transformers imports torchao whenever it is installed (the `quant` extra); on a CPU build its CUDA kernels
+    # fail to load, and torch's pytree warns about its enums. Neither matters to a command line run.
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    command = COMMANDS.get(args.command)
+    if command is None:
+        parser.error(f"unknown command {args.command}")
+        return 2
+    try:
+        return command.run(args)
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

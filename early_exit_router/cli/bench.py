@@ -1,0 +1,94 @@
+"""`early-exit-router bench`: its subparser and its run function."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from early_exit_router.cli.options import (
+    add_load_options,
+    add_router_options,
+    float_list,
+    int_list,
+    router_overrides,
+    str_list,
+)
+from early_exit_router.config import MODES
+from early_exit_router.models.loading import DEFAULT_MODEL
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="Side by side: plain HF generate, the router (threshold sweep), HF assisted early exit and prompt lookup.",
+        description="A/B benchmark in one process on the same prompts: the control (plain HF greedy), the router "
+        "with exits off, the router in each mode over a threshold sweep (and with the n-gram tier), HF assisted "
+        "generation with assistant_early_exit, and HF prompt lookup. Prints a markdown table per category (speed, "
+        "routing, compute, quality against the control) and writes JSON and a PNG plot.",
+    )
+    bench.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    bench.add_argument("--prompts", default=None, help="JSONL: id, category, kind (text|chat), prompt (default: dev).")
+    bench.add_argument("--max-new-tokens", type=int, default=64, help="New tokens per prompt (default: %(default)s).")
+    bench.add_argument("--repeats", type=int, default=1, help="Interleaved repeats (default: %(default)s).")
+    bench.add_argument(
+        "--modes", type=str_list, default=["exit", "verify"], metavar="M1,M2", help="Router modes (default: both)."
+    )
+    bench.add_argument(
+        "--thresholds",
+        type=float_list,
+        default=[0.3, 0.5, 0.7, 0.9],
+        metavar="T1,T2",
+        help="high_conf_threshold sweep; the loaded threshold is always added (default: 0.3,0.5,0.7,0.9).",
+    )
+    bench.add_argument("--no-ngram", action="store_true", help="Skip the 'n-gram tier only' rows.")
+    bench.add_argument(
+        "--no-fixed-cascade", action="store_true", help="Skip the 'fixed cascade, no n-gram' rows (the old default)."
+    )
+    bench.add_argument(
+        "--assistant-early-exit",
+        type=int_list,
+        default=None,
+        metavar="E1,E2",
+        help="HF assisted generation with the first E layers as draft (default: deepest exit + 1; '' skips).",
+    )
+    bench.add_argument(
+        "--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens; 0 skips (default: %(default)s)."
+    )
+    bench.add_argument("--out", default="bench-results", help="Folder for bench.json and bench.png.")
+    add_load_options(bench)
+    bench.add_argument("--quiet", action="store_true", help="No progress bar.")
+    add_router_options(bench)
+
+
+def run(args: argparse.Namespace) -> int:
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.bench.bench import BenchConfig, run_bench
+    from early_exit_router.training.corpus import DEV_PROMPTS, load_prompts
+
+    router = EarlyExitRouter.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **router_overrides(args)
+    )
+    print(router.describe(), file=sys.stderr)
+    cfg = BenchConfig(
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        modes=tuple(args.modes),
+        thresholds=tuple(args.thresholds),
+        ngram=not args.no_ngram,
+        fixed_cascade=not args.no_fixed_cascade,
+        assistant_early_exit=None if args.assistant_early_exit is None else tuple(args.assistant_early_exit),
+        prompt_lookup_num_tokens=args.prompt_lookup,
+    )
+    for mode in cfg.modes:
+        if mode not in MODES:
+            raise ValueError(f"Unknown mode {mode!r} in --modes: use {', '.join(MODES)}.")
+    prompts = load_prompts(args.prompts, shipped=DEV_PROMPTS)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = run_bench(router, prompts, cfg, progress=not args.quiet)
+    print(result.markdown())
+    result.write_json(out / "bench.json")
+    result.plot(out / "bench.png")
+    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0

@@ -1,0 +1,37 @@
+"""`early-exit-router export-draft`: its subparser and its run function."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from early_exit_router.models.loading import DEFAULT_MODEL
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    export = sub.add_parser(
+        "export-draft",
+        help="Write one exit (its first layers, norm and LM head with the adapter folded in) as an HF checkpoint.",
+        description="Export exit layer E as a standalone HF model of E + 1 layers in the base architecture, for "
+        "serving engines that take a separate draft model (vLLM draft_model, SGLang STANDALONE; a 'block' head adds "
+        "its block as layer E + 1). The adapter must fold exactly: 'postnorm', 'block' or 'identity' heads.",
+    )
+    export.add_argument("--model", default=DEFAULT_MODEL, help="Alias or saved router folder with the heads.")
+    export.add_argument("--exit-layer", type=int, required=True, help="The exit to export (0-based layer index).")
+    export.add_argument("--out", required=True, help="Folder for the draft model.")
+
+
+def run(args: argparse.Namespace) -> int:
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.integrations.export import export_draft
+
+    router = EarlyExitRouter.from_pretrained(args.model)
+    print(router.describe(), file=sys.stderr)
+    result = export_draft(router, args.exit_layer, args.out)
+    print(
+        f"wrote {result.path}: {result.num_layers} of {result.base_layers} layers, {result.parameters:,} parameters "
+        f"({result.bytes / 2**20:.0f} MiB in {result.dtype}), {result.adapter} adapter folded in"
+    )
+    snippets = result.serving_snippets()
+    print(f"vLLM:   {snippets['vllm']}  # speculative_config, beside the base model\nSGLang: {snippets['sglang']}")
+    return 0

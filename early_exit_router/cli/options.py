@@ -1,0 +1,84 @@
+"""Options and argument types that several commands share. Router options are generated from `RouterConfig`'s fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from early_exit_router.config import ADAPTER_KINDS, BATCH_DESIGNS, MODES, POLICIES, RouterConfig
+
+CHOICES = {"mode": MODES, "adapter": ADAPTER_KINDS, "policy": POLICIES, "batch_design": BATCH_DESIGNS}
+DEFAULT_PROMPT = "List the seven days of the week as a numbered list, one per line, nothing else."
+
+
+def add_router_options(parser: argparse.ArgumentParser) -> None:
+    """One --option per RouterConfig field, with the field's own help text. Unset options keep saved values."""
+    group = parser.add_argument_group("router options (default: the saved or built-in RouterConfig)")
+    for f in dataclasses.fields(RouterConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} (built-in default: {f.default!r})"
+        if f.name in ("exit_layers", "active_exit_layers"):
+            group.add_argument(flag, type=int_list, default=None, metavar="E1,E2", help=help_text)
+        elif f.name == "exit_adapters":
+            group.add_argument(flag, type=kind_map, default=None, metavar="E1:KIND,E2:KIND", help=help_text)
+        elif f.type in ("bool", bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif f.name in CHOICES:
+            group.add_argument(flag, choices=CHOICES[f.name], default=None, help=help_text)
+        else:
+            kind = int if isinstance(f.default, int) and not isinstance(f.default, bool) else float
+            kind = str if isinstance(f.default, str) else kind
+            group.add_argument(flag, type=kind, default=None, help=help_text)
+
+
+def add_load_options(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --device, for commands whose speed or numbers depend on where the model runs."""
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="Model dtype (default: float32)."
+    )
+    parser.add_argument("--device", default=None, help="Device, e.g. cpu or cuda (default: cpu).")
+    parser.add_argument(
+        "--quantize",
+        default=None,
+        choices=["int8", "int4", "bnb-8bit", "bnb-4bit"],
+        help="Load the base quantized: torchao weight-only int8/int4 (any device) or bitsandbytes (CUDA). In bench "
+        "every arm, the plain HF control included, runs the same quantized model.",
+    )
+
+
+def router_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(RouterConfig)
+        if getattr(args, f.name, None) is not None
+    }
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices like 10,20, got {text!r}") from None
+
+
+def kind_map(text: str) -> dict[int, str]:
+    """'16:residual_block,24:postnorm' -> {16: 'residual_block', 24: 'postnorm'}."""
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        return {int(layer): kind.strip() for layer, kind in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer:kind pairs like 16:residual_block, got {text!r}"
+        ) from None
+
+
+def str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 0.5,0.9, got {text!r}") from None

@@ -1,0 +1,62 @@
+"""`early-exit-router profile`: its subparser and its run function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from early_exit_router.cli.options import add_load_options, add_router_options, router_overrides
+from early_exit_router.models.loading import DEFAULT_MODEL
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    profile = sub.add_parser(
+        "profile",
+        help="Measure (or show the cached) cost model the router decides from on this device.",
+        description="Times one decoder layer at chunk lengths 1..N, the full LM head at 1..N rows, an exit's trimmed "
+        "draft head and its gate, on the device and dtype in use; caches the table on disk and prints it with what "
+        "the cost policy would do at a few acceptance rates.",
+    )
+    profile.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    profile.add_argument("--refresh", action="store_true", help="Measure again even when a cached table exists.")
+    profile.add_argument("--json", action="store_true", help="Print the cost model as JSON.")
+    add_load_options(profile)
+    add_router_options(profile)
+
+
+def run(args: argparse.Namespace) -> int:
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.routing.ngram import Proposal
+    from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy
+
+    router = EarlyExitRouter.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **router_overrides(args)
+    )
+    costs = router.costs(refresh=args.refresh)
+    if args.json:
+        print(json.dumps(costs.to_dict(), indent=2))
+        return 0
+    print(router.describe())
+    print(costs.markdown())
+    exits = router.config.consulted_exit_layers()
+    policy = DraftPolicy.for_config(costs, router.config, router.heads)
+    budget = router.config.max_pending
+    print(f"\nWhat the cost policy chooses for a cycle of up to {budget} drafts (expected tokens per plain step):\n")
+    print("| acceptance | n-gram tier (proposal of 8) | " + " | ".join(f"exit L{e}" for e in exits) + " |")
+    print("|---|---|" + "---|" * len(exits))
+    for a in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95):
+        cells = []
+        ngram_d, ngram_rate = policy.best_draft(a, policy.ngram_cycle_ms, min(8, budget))
+        cells.append(f"d={ngram_d}: {ngram_rate / policy.plain_rate:.2f}x")
+        for i in range(len(exits)):
+            d, rate = policy.best_draft(a, lambda d, i=i: policy.exit_cycle_ms(i, d), budget)
+            cells.append(f"d={d}: {rate / policy.plain_rate:.2f}x")
+        print(f"| {a:.2f} | " + " | ".join(cells) + " |")
+    chosen = policy.plan(AcceptanceTracker(prior=router.config.acceptance_prior), budget, [Proposal([0] * 8, 2)])
+    print(
+        f"\nAt the prior acceptance {router.config.acceptance_prior:.2f}, a cycle with an n-gram proposal runs: "
+        f"{chosen.kind}" + (f", {chosen.max_draft} drafts" if chosen.max_draft else "")
+    )
+    rates = ", ".join(f"L{e} {policy.break_even_exit_rate(i):.2f}" for i, e in enumerate(exits))
+    print(f"Exit mode asks an exit while the share of tokens asked that leave there is at least: {rates}")
+    return 0

@@ -1,0 +1,67 @@
+"""`early-exit-router survey`: its subparser and its run function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from early_exit_router.cli.options import add_load_options, int_list
+from early_exit_router.config import ADAPTER_KINDS
+from early_exit_router.models.loading import DEFAULT_MODEL
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    survey = sub.add_parser(
+        "survey",
+        help="Fit a cheap exit head at every layer and report agreement, coverage and what drafting there would pay.",
+        description="Cache hidden states of the training corpus after every surveyed layer, fit a fresh adapter "
+        "per layer by self-distillation on the trimmed draft vocabulary, and report per layer: held-out top-1 "
+        "agreement (logit lens and trained), the share of positions that exit at a target precision, the draft "
+        "cost from the measured cost model, the break-even acceptance and the speed-up at the measured agreement.",
+    )
+    survey.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    survey.add_argument(
+        "--layers", type=int_list, default=None, metavar="L1,L2", help="Layers to survey (default: every layer)."
+    )
+    survey.add_argument(
+        "--adapter",
+        default="postnorm",
+        choices=list(ADAPTER_KINDS),
+        help="Adapter kind to fit (default: %(default)s).",
+    )
+    survey.add_argument("--steps", type=int, default=300, help="Optimiser steps per layer (default: %(default)s).")
+    survey.add_argument("--max-tokens", type=int, default=40_000, help="Corpus tokens (default: %(default)s).")
+    survey.add_argument("--precision", type=float, default=0.95, help="Exit precision target (default: %(default)s).")
+    survey.add_argument("--json", default=None, help="Also write the rows to this JSON file.")
+    survey.add_argument("--quiet", action="store_true", help="No progress bars.")
+    add_load_options(survey)
+
+
+def run(args: argparse.Namespace) -> int:
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.training.head_report import as_dicts
+    from early_exit_router.training.hidden_states import build_cache
+    from early_exit_router.training.sequences import corpus_sequences
+    from early_exit_router.training.survey import format_survey, survey_exits
+
+    router = EarlyExitRouter.from_pretrained(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+    stack = router.stack
+    layers = args.layers or list(range(stack.num_layers - 1))
+    bad = [e for e in layers if not 0 <= e < stack.num_layers - 1]
+    if bad:
+        raise ValueError(f"--layers {bad} out of range: exits are layers 0..{stack.num_layers - 2} of this model.")
+    costs = router.costs()
+    sequences, manifest = corpus_sequences(router, args.max_tokens, progress=not args.quiet)
+    cache = build_cache(stack, sorted(set(layers)), sequences, progress=not args.quiet)
+    rows = survey_exits(router, cache, costs, adapter=args.adapter, steps=args.steps, precision=args.precision)
+    title = (
+        f"{router.name_or_path}: '{args.adapter}' adapters, {args.steps} steps, {len(cache)} positions "
+        f"(20% of the chunks held out), draft vocabulary {router.config.draft_vocab_size}; plain step "
+        f"{costs.plain_step():.1f} ms"
+    )
+    print(format_survey(rows, args.precision, title))
+    if args.json:
+        report = {"title": title, "corpus": manifest, "costs": costs.to_dict(), "rows": as_dicts(rows)}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0

@@ -1,0 +1,189 @@
+"""The draft phase of a step: an exit asked for every row at once (`try_exit`; `probe_exits` scores exits on plain
+steps without drafting), and the n-gram tier's proposals appended as drafts (`append_ngram`).
+
+An exit fires only when every unfinished row may leave (a batch's layers stay rectangular): each row then emits its
+head's token and the chunk's states wait in front of the next segment for the deep pass that fills them. In a verify
+cycle each draft remembers the law it was drawn from, for the speculative-sampling rule.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from early_exit_router.decode.drafters import NGRAM_LAYER
+from early_exit_router.decode.emit import append, choose, embed, row_ids
+from early_exit_router.decode.state import DecodeState, Draft, Row, VerifyCycle
+from early_exit_router.heads.gates import uses_head
+from early_exit_router.routing.gate_context import next_copy
+from early_exit_router.routing.ngram import Proposal
+from early_exit_router.routing.policy import TierKey
+
+
+def propose_ngram(dec: DecodeState, row: Row, budget: int) -> Proposal:
+    """The n-gram tier's proposal for `row` (up to `budget` tokens); the scan also tells the gates what the context
+    copies here."""
+    proposal, copy = dec.suffix.propose(row.tokens, budget)
+    if budget > 0:
+        row.ngram_memo = (len(row.tokens), copy)
+    return proposal
+
+
+def ngram_token(dec: DecodeState, row: Row) -> int:
+    """The token the tier would copy next in `row`'s own context (-1: none): a gate feature, one scan per context
+    length whichever exits ask."""
+    length, token = row.ngram_memo
+    if length != len(row.tokens):
+        token = next_copy(row.tokens, dec.config.ngram_size, dec.config.ngram_min_size)
+        row.ngram_memo = (len(row.tokens), token)
+    return token
+
+
+def try_exit(
+    dec: DecodeState, i: int, hidden: torch.Tensor, q: int, target: int | None, key: TierKey | None = None
+) -> bool:
+    """Ask exit `i` about slot `q` for every row; when every unfinished row may leave, emit each row's head token and
+    park the chunk in front of the next segment. `target`: a block's decision, taken without asking."""
+    last = hidden[:, -1]  # (b, hidden): the current token at this exit
+    gate = dec.exit_drafter.gate(i)
+    if target is None and gate is not None and not uses_head(gate):
+        t0 = time.perf_counter()
+        allowed = _every_active(dec, dec.rule.gate_allows(gate_probability_at(dec, i, gate, last)))
+        dec.passes.routing_s += time.perf_counter() - t0
+        if not allowed:
+            return False
+    logits = dec.exit_drafter.logits(i, last, dec.fill.blocks)  # (b, vocab)
+    # Greedy: choose before deciding, so that one host sync fetches the decision and the tokens together.
+    # Sampling: draw only once the tokens exit, so the generator serves emitted tokens alone (never-exit sampling
+    # then draws exactly what HF sampling draws from the same seed).
+    sampling = any(row.selector.params.do_sample for row in dec.rows)
+    tokens = None if sampling else choose(dec, q + 1, logits)
+    chosen: list[float] = []
+    if target is None:
+        t0 = time.perf_counter()
+        ok, confidence = exit_flags(dec, i, last, logits, with_gate=False)[1:]
+        signals = [ok.double(), confidence.double()] + ([] if tokens is None else list(tokens.double()))
+        ok, low, *chosen = torch.stack(signals).tolist()
+        dec.passes.routing_s += time.perf_counter() - t0
+        if not ok:
+            return False
+        dec.rule.start_block(dec.routing, i)
+        dec.rule.record_exit(dec.routing, low)
+    if tokens is None:
+        tokens = choose(dec, q + 1, logits)
+    ids = [int(t) for t in chosen] if chosen else tokens.tolist()
+    dec.fill.park(i, hidden)
+    verified = dec.mode == "verify" or dec.cycle is not None
+    if verified and dec.cycle is None:
+        dec.cycle = VerifyCycle(q)
+    for r, row in enumerate(dec.rows):
+        if not row.done:
+            law = None
+            if verified and row.selector.params.do_sample:
+                scores = row.selector.scores(row_ids(dec, r, q + 1), logits[r : r + 1])
+                law = torch.softmax(scores, dim=-1)[0]
+            row.drafts[q] = Draft(i, key or ("exit", i), law)
+    append(dec, tokens, ids, dec.exits[i], logits)
+    return True
+
+
+def exit_flags(
+    dec: DecodeState, i: int, last: torch.Tensor, logits: torch.Tensor, with_gate: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exit `i`'s cascade on its head's `logits` (b, vocab): (b,) flags, whether every unfinished row may leave, and
+    the lowest confidence among them. A head gate's probability is the confidence; `with_gate` also folds in a gate
+    that runs before the head (the decoder asks that one first, probes do not)."""
+    gate = dec.exit_drafter.gate(i)
+    learned = gate_probability_at(dec, i, gate, last, logits) if uses_head(gate) else None
+    flags, confidence = dec.rule.head_signal(logits, dec.routing.threshold_shift, learned, dec.exit_drafter.draft_ids)
+    if with_gate and gate is not None and learned is None:
+        flags = flags & dec.rule.gate_allows(gate_probability_at(dec, i, gate, last))
+    active = _active(dec)
+    if active is None:
+        return flags, flags.all(), confidence.min()
+    on = torch.tensor(active, device=flags.device)
+    low = confidence[on].min() if any(active) else confidence.new_ones(())
+    return flags, (flags | ~on).all(), low
+
+
+def gate_probability_at(
+    dec: DecodeState, i: int, gate: torch.nn.Module, last: torch.Tensor, logits: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Exit `i`'s gate probability (b,) for the current slot, with the context features where it reads them."""
+    tokens = [ngram_token(dec, row) for row in dec.rows] if dec.exit_drafter.needs_context(gate) else None
+    return dec.exit_drafter.gate_probability(gate, last, tokens, dec.tracker.estimate(("exit", i)), logits)
+
+
+def _every_active(dec: DecodeState, flags: torch.Tensor) -> bool:
+    active = _active(dec)
+    if active is None:
+        return bool(flags.all())
+    return bool((flags | ~torch.tensor(active, device=flags.device)).all())
+
+
+def _active(dec: DecodeState) -> list[bool] | None:
+    """Which rows still decide (None: all of them)."""
+    active = [not row.done for row in dec.rows]
+    return None if all(active) else active
+
+
+def probe_exits(dec: DecodeState, shadows: list[tuple[int, torch.Tensor]]) -> None:
+    """Shadow tokens: would each exit have drafted the token the deep pass just chose, from the states (b, hidden)
+    the step computed at it anyway?"""
+    t0 = time.perf_counter()
+    dec.passes.probes += 1
+    chosen = torch.tensor([row.tokens[-1] for row in dec.rows], device=shadows[0][1].device)
+    probed, signals = [], []
+    for i, last in shadows:
+        if i in dec.fill.blocks and dec.fill.blocks[i].end != dec.slots.length - 1:
+            continue  # the probed position was rolled back: nothing to ask the block about
+        logits = dec.exit_drafter.logits(i, last, dec.fill.blocks)  # (b, vocab)
+        flags = exit_flags(dec, i, last, logits, with_gate=True)[0]
+        probed.append(i)
+        signals.append(flags & (logits.argmax(dim=-1) == chosen))
+    if signals:
+        for i, oks in zip(probed, torch.stack(signals).tolist()):  # one host sync for every exit
+            for ok in oks:
+                dec.tracker.observe(("exit", i), bool(ok))
+    dec.passes.routing_s += time.perf_counter() - t0
+
+
+def append_ngram(dec: DecodeState, proposals: list[Proposal | None]) -> int:
+    """Append each row's n-gram proposal as drafts, column by column (a row with a shorter one gets holes after it);
+    their embeddings wait in front of segment 0. A row stops drafting at a token that ends its generation. Returns
+    how many slots were appended."""
+    q = dec.slots.length - 1
+    verified = dec.mode == "verify" or not dec.config.ngram_unverified
+    if verified and dec.cycle is None:  # exit mode: the tokens waiting now stay final; verify what follows
+        dec.cycle = VerifyCycle(q)
+    tier, vocab, device = len(dec.exits), dec.stack.vocab_size, dec.slots.seq.device
+    drafting = [p is not None and bool(p.tokens) for p in proposals]
+    width = 0
+    while True:
+        column = [p.tokens[width] if on and width < len(p.tokens) else None for p, on in zip(proposals, drafting)]
+        if all(t is None for t in column):
+            break
+        for row, token, proposal in zip(dec.rows, column, proposals):
+            if token is not None:
+                law = _point_mass(vocab, token, device) if verified and row.selector.params.do_sample else None
+                row.drafts[q + width] = Draft(tier, ("ngram", proposal.match), law)
+                row.drafted += 1
+        ids = [dec.pad_token_id if t is None else t for t in column]
+        logits = None
+        if any(row.request.output_logits for row in dec.rows):  # the tier's "logits": all mass on the copy
+            logits = torch.full((len(ids), vocab), float("-inf"), device=device)
+            logits[torch.arange(len(ids)), torch.tensor(ids)] = 0.0
+        append(dec, torch.tensor(ids, device=device), column, NGRAM_LAYER, logits)
+        width += 1
+        # Every stop rule sees every token, as in plain decoding: a draft ends at the first token that stops.
+        drafting = [on and t is not None and row.stop_at is None for on, t, row in zip(drafting, column, dec.rows)]
+    dec.fill.queue(embed(dec, q, width))  # (b, width, hidden): slots q..q+width-1
+    return width
+
+
+def _point_mass(vocab: int, token: int, device: torch.device) -> torch.Tensor:
+    """A copied token's draft law when sampling in a verify cycle: all mass on it."""
+    q = torch.zeros(vocab, device=device)
+    q[token] = 1.0
+    return q
