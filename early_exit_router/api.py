@@ -8,6 +8,7 @@ the patch on the model `integrations/hf_generate.py`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -19,14 +20,13 @@ from torch import nn
 
 from early_exit_router._version import __version__
 from early_exit_router.config import MODES, RouterConfig
+from early_exit_router.decode.batch import batch_layout
 from early_exit_router.decode.inputs import check_input_ids, check_length
 from early_exit_router.decode.loop import Decoder
-from early_exit_router.decode.output import GenerationOutput, padded_sequences, run_to_end
+from early_exit_router.decode.output import GenerationOutput, run_rows_alone, run_to_end
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
-from early_exit_router.decode.stats import GenerationStats, combined_stats
+from early_exit_router.decode.stats import GenerationStats
 from early_exit_router.decode.stopping import DecodeRequest
-from early_exit_router.heads.adapters import needs_context
-from early_exit_router.heads.block import block_source
 from early_exit_router.heads.checkpoint import (
     SavedRouter,
     base_identity,
@@ -35,7 +35,7 @@ from early_exit_router.heads.checkpoint import (
     save_router,
     saved_router,
 )
-from early_exit_router.heads.exit_heads import ExitHeads
+from early_exit_router.heads.exit_heads import ExitHeads, build_heads
 from early_exit_router.integrations import hf_generate
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
@@ -115,9 +115,7 @@ class EarlyExitRouter:
         exit_layers = config.resolved_exit_layers(stack.num_layers)
         # Fresh heads are the logit lens, whatever a reused config says.
         config = config.replace(exit_layers=exit_layers, heads_trained=False)
-        kinds = {e: config.adapter_for(e) for e in exit_layers}
-        heads = ExitHeads(exit_layers, stack.hidden_size, kinds, config.adapter_rank, block_source(stack))
-        heads.to(device=stack.device, dtype=stack.dtype).eval()
+        heads = build_heads(stack, config, exit_layers)
         name = name_or_path or getattr(model.config, "_name_or_path", "") or type(model).__name__
         return cls(model, tokenizer, config, heads, stack, name)._patched()
 
@@ -162,15 +160,7 @@ class EarlyExitRouter:
         **overrides: Any,
     ) -> EarlyExitRouter:
         base_config = config or saved.config
-        fixed = {"exit_layers": saved.exit_layers, "adapter": saved.config.adapter}
-        fixed["adapter_rank"] = saved.config.adapter_rank
-        fixed["exit_adapters"] = saved.config.exit_adapters
-        for key, value in fixed.items():
-            if overrides.get(key, value) != value or getattr(base_config, key) != value:
-                raise ValueError(
-                    f"The saved heads have {key}={value!r}; they cannot be loaded with another {key}. "
-                    "Train new heads for a different layout."
-                )
+        saved.check_layout(base_config, overrides)
         config = base_config.replace(**overrides) if overrides else base_config
         stack = stack_for(model)
         heads = heads_from_saved(saved, stack, config, name)
@@ -265,11 +255,7 @@ class EarlyExitRouter:
     def describe(self) -> str:
         """One line about the heads: exit layers, adapter and their size."""
         trained = "trained" if self.config.heads_trained else "UNTRAINED (logit lens)"
-        kinds = self.heads.kinds
-        if len(set(kinds.values())) == 1:
-            adapters = next(iter(kinds.values()))
-        else:
-            adapters = ", ".join(f"L{e} {kind}" for e, kind in kinds.items()) or self.config.adapter
+        adapters = self.heads.kinds_summary() if self.heads.kinds else self.config.adapter
         return (
             f"{self.name_or_path}: {self.stack.num_layers} layers, exits at {self.exit_layers} "
             f"({adapters} adapters, {trained}); added parameters {self.num_added_parameters():,} "
@@ -289,45 +275,36 @@ class EarlyExitRouter:
         """A decoder for one call, or for a batch that rows join and leave (the server's), under `config` (default:
         the router's; a mapping changes fields of it) in `mode` (default: the config's).
 
-        `batch=True`: several rows will share it, so it consults only the exits batches can (`batch_config`) and
-        runs the design `config.batch_design` and `sampling` call for (verify-mode sampling always per row). Hold
-        `router.lock` around each of its steps where other threads use this router."""
+        `batch=True`: several rows will share it, so it consults only the exits batches can and runs the design
+        `config.batch_design` and `sampling` call for (`decode.batch.batch_layout`). Hold `router.lock` around each
+        of its steps where other threads use this router."""
         cfg = self.call_config(config)
         mode = self._mode(mode, cfg)
         design = "synchronous"
         if batch:
-            if not self.can_batch(cfg, mode, sampling):
+            layout = self._batch_layout(cfg, mode, sampling)
+            if layout is None:
                 raise ValueError("These heads batch only row by row (their consulted exits all have blocks).")
-            cfg = self.batch_config(cfg)
-            if _per_row(cfg, mode, sampling) and _compat.cache_rows_can_change(self.stack.new_cache()):
-                design = "per_row"
+            cfg, design = layout
         costs = self.costs(config=cfg) if cfg.policy == "cost" else None
         pad = self.pad_token_id() if pad_token_id is None else pad_token_id
         return Decoder(self.stack, self.heads, ExitRule(cfg, self.stack.vocab_size), cfg, mode, costs=costs,
                        store=self.ngram_store(), batch_design=design, pad_token_id=pad)  # fmt: skip
 
     def batch_config(self, config: RouterConfig | None = None) -> RouterConfig | None:
-        """The config a batch runs under, or None when its rows must run one after another.
-
-        Block adapters keep a KV cache of their own per sequence, which batches do not carry: a batch consults the
-        other exits (verify mode stays exact whichever exits draft), and only when every consulted exit has a
-        block do the rows run alone."""
+        """The config a batch runs under (block exits sit out), or None when its rows must run one after another."""
         config = config or self.config
-        consulted = config.consulted_exit_layers()
-        plain = [e for e in consulted if not needs_context(self.heads.adapter(e))]
-        if len(plain) == len(consulted):
-            return config
-        return config.replace(active_exit_layers=plain) if plain else None
+        layout = self._batch_layout(config, config.mode, False)
+        return None if layout is None else layout[0]
 
     def can_batch(self, config: RouterConfig | None = None, mode: str | None = None, sampling: bool = False) -> bool:
-        """Whether several rows under `config` share one decoder, rather than running one after another: not where
-        every consulted exit has a block adapter, nor for verify-mode sampling on a model whose cache rows cannot
-        hold per-row holes (a sliding window)."""
+        """Whether several rows under `config` share one decoder, rather than running one after another."""
         config = config or self.config
-        if self.batch_config(config) is None:
-            return False
-        per_row = _per_row(config, mode or config.mode, sampling)
-        return not (per_row and sampling and not _compat.cache_rows_can_change(self.stack.new_cache()))
+        return self._batch_layout(config, mode or config.mode, sampling) is not None
+
+    def _batch_layout(self, config: RouterConfig, mode: str, sampling: bool) -> tuple[RouterConfig, str] | None:
+        rows_can_change = _compat.cache_rows_can_change(self.stack.new_cache())
+        return batch_layout(config, self.heads, mode, sampling, rows_can_change)
 
     def encode(self, prompt: str, chat: bool = False) -> torch.LongTensor:
         """Token ids (1, n) for a text prompt; `chat=True` applies the tokenizer's chat template."""
@@ -427,15 +404,8 @@ class EarlyExitRouter:
         if batched and (request.streamer is not None or request.output_logits):
             raise ValueError("Streamers and output_logits take one sequence: generate the batch row by row for them.")
         if batched and not self.can_batch(cfg, mode, selector.params.do_sample):
-            outputs, rows, depths = [], [], []
-            for r in range(input_ids.shape[0]):
-                ids = input_ids[r : r + 1, attention_mask[r].bool()]  # (1, n_r): the row without its left padding
-                out = self.decode(ids, torch.ones_like(ids), request, selector, cfg, mode, pad)
-                outputs.append(out.sequences[0, ids.shape[1] :])
-                rows.append(out.stats)
-                depths.append(list(out.depths))
-            sequences = padded_sequences(input_ids, outputs, pad)
-            return GenerationOutput(sequences, combined_stats(rows), None, None, depths, rows)
+            alone = functools.partial(self.decode, request=request, selector=selector, config=cfg, mode=mode)
+            return run_rows_alone(alone, input_ids, attention_mask, pad)
         with self.lock:
             decoder = self.decoder(cfg, mode, batch=batched, sampling=selector.params.do_sample, pad_token_id=pad)
             return run_to_end(decoder, input_ids, attention_mask, request, selector)
@@ -469,10 +439,6 @@ class EarlyExitRouter:
     def check_input_ids(self, input_ids: Any, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Validated (b, n) ids on the model's device, and their (b, n) attention mask (all ones when not given)."""
         return check_input_ids(input_ids, attention_mask, self.stack.vocab_size, self.stack.device)
-
-    def check_length(self, prompt_len: int, max_new_tokens: Any) -> None:
-        """Refuse a max_new_tokens that is not a positive integer, or a prompt that leaves it no room."""
-        check_length(prompt_len, max_new_tokens, self.context_length)
 
     @property
     def context_length(self) -> int | None:
@@ -546,9 +512,3 @@ class EarlyExitRouter:
             identity=base_identity(self.stack, self.name_or_path),
             library_version=__version__,
         )
-
-
-def _per_row(config: RouterConfig, mode: str, sampling: bool) -> bool:
-    """Whether a batch runs in the per-row design: verify mode under `batch_design='per_row'`, and verify-mode
-    sampling always (one accepted prefix for a batch cannot keep each row's distribution)."""
-    return mode == "verify" and (sampling or config.batch_design == "per_row")

@@ -1,4 +1,15 @@
-"""`RouterConfig`: every knob of the exit heads and the router, saved as JSON beside the heads."""
+"""`RouterConfig`: every knob of the exit heads and their routing, in four groups, saved as JSON beside the heads.
+
+- `HeadLayout`: what is saved with the heads and must match them (exit layers, adapters, the draft vocabulary).
+- `CascadeOptions`: the exit rule (thresholds, gates, blocks, the window rules).
+- `DraftingOptions`: the mode, the decision policy, the n-gram tier, the batch design.
+- `MonitoringOptions`: checks of exited tokens, the agreement monitor, the threshold controller.
+
+`RouterConfig` is all four in one flat dataclass (`config.high_conf_threshold`, `config.replace(mode="exit")`, one
+JSON object); `RouterConfig.groups()` names which group each field belongs to. Every field carries a `help` string in
+its metadata: `describe()` prints them, the CLI builds its options and `docs/configuration.md` from them
+(`reference()`).
+"""
 
 from __future__ import annotations
 
@@ -16,13 +27,9 @@ ADAPTER_KINDS = ("identity", "linear", "lowrank", "postnorm", "block", "residual
 
 
 @dataclass
-class RouterConfig:
-    """Configuration of exit heads and routing.
-
-    Every field carries a `help` string in its metadata; `RouterConfig.describe()` prints them and the CLI reuses
-    them for `--help`. Validation happens in `__post_init__` (ranges that need no model) and in
-    `check_model_depth` (exit layers against the model's depth).
-    """
+class HeadLayout:
+    """What is saved with the heads and must match them: the exit layers, their adapters, the trimmed draft head's
+    vocabulary, and whether they were trained. Loading saved heads under another layout is refused."""
 
     exit_layers: list[int] | None = field(
         default=None,
@@ -32,6 +39,76 @@ class RouterConfig:
             "None picks layers at 1/3 and 2/3 of the depth."
         },
     )
+    adapter: str = field(
+        default="postnorm",
+        metadata={
+            "help": "Exit adapter kind: 'identity' (logit lens, no parameters), 'linear' (residual full-rank "
+            "affine before the final norm, tuned-lens style), 'lowrank' (residual low-rank) or 'postnorm' "
+            "(residual full-rank map after the final norm; export-draft folds it exactly into the LM head) or "
+            "'block' (one decoder block at the exit, a trained copy of the next layer with a KV cache of its own, "
+            "as in Kangaroo; export-draft keeps it as the draft model's last layer) or 'residual_block' (such a "
+            "block whose attention and MLP outputs enter scaled per channel from zero, then a post-norm map: it "
+            "starts as exactly a 'postnorm' head, can be warm-started from one, and export-draft folds both "
+            "scales into the layer's own weights)."
+        },
+    )
+    exit_adapters: dict[int, str] | None = field(
+        default=None,
+        metadata={
+            "help": "Per-exit adapter kinds that replace `adapter` at those exits, e.g. {16: 'residual_block'} "
+            "(on the command line 16:residual_block,24:postnorm): a block where one layer of cost buys much more "
+            "agreement, the cheap map elsewhere. None gives every exit `adapter`."
+        },
+    )
+    adapter_rank: int = field(
+        default=64,
+        metadata={"help": "Rank of the 'lowrank' adapter."},
+    )
+    draft_vocab_size: int = field(
+        default=4096,
+        metadata={
+            "help": "Exit heads draft over the this-many highest-ranked token ids only (a trimmed head: a small "
+            "fraction of the full head's cost); the deep pass still uses the full head. 0 uses the full vocabulary."
+        },
+    )
+    heads_trained: bool = field(
+        default=False,
+        metadata={
+            "help": "Set by training. False means the heads are the untrained logit lens, which is confidently "
+            "wrong on most models: lossy exits then warn."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        if self.exit_layers is not None:
+            self.exit_layers = [int(e) for e in self.exit_layers]
+            _check_exit_layers(self.exit_layers)
+        if self.adapter not in ADAPTER_KINDS:
+            raise ValueError(f"Unknown adapter {self.adapter!r}: use one of {', '.join(ADAPTER_KINDS)}.")
+        if self.exit_adapters is not None:
+            # JSON keys are strings: back to layer indices, in depth order.
+            kinds = {int(e): kind for e, kind in self.exit_adapters.items()}
+            self.exit_adapters = {e: kinds[e] for e in sorted(kinds)}
+            for e, kind in self.exit_adapters.items():
+                if kind not in ADAPTER_KINDS:
+                    raise ValueError(f"Unknown adapter {kind!r} for exit {e}: use one of {', '.join(ADAPTER_KINDS)}.")
+            stray = sorted(set(self.exit_adapters) - set(self.exit_layers or []))
+            if stray:
+                raise ValueError(
+                    f"exit_adapters names layers {stray} that are not exit layers {self.exit_layers}: give every "
+                    "layer it names in exit_layers too."
+                )
+        _check_integers(self, {"adapter_rank": 1, "draft_vocab_size": 0})
+
+
+@dataclass
+class CascadeOptions:
+    """The exit rule (`early_exit_router/routing/exit_rule.py`): which exits are asked, the confidence -> entropy
+    cascade and the gates in front of it, block decisions, and the window rules that force the deep layers back in."""
+
     active_exit_layers: list[int] | None = field(
         default=None,
         metadata={
@@ -39,6 +116,90 @@ class RouterConfig:
             "keeps the heads loaded but runs every token at full depth (the engine's own cost, for comparisons)."
         },
     )
+    high_conf_threshold: float = field(
+        default=0.9,
+        metadata={"help": "Exit when the head's max softmax probability is at or above this (in [0, 1])."},
+    )
+    low_conf_threshold: float = field(
+        default=0.4,
+        metadata={
+            "help": "Go deeper when the max probability is below this (in [0, 1], at most high_conf_threshold). "
+            "Between the two, the entropy rule decides."
+        },
+    )
+    entropy_threshold: float = field(
+        default=0.15,
+        metadata={
+            "help": "Exit when the head's entropy is at or below this. In nats, or as a share of log(vocab) "
+            "when entropy_normalized is true (then in [0, 1])."
+        },
+    )
+    entropy_normalized: bool = field(
+        default=True,
+        metadata={"help": "Divide entropy by log(vocab) so that one threshold transfers across vocabularies."},
+    )
+    gate_threshold: float = field(
+        default=0.5,
+        metadata={
+            "help": "When an exit has a learned gate, its predicted probability that the exit agrees with the "
+            "full model must reach this, or the head is skipped and the token goes deeper (in [0, 1])."
+        },
+    )
+    use_gate: bool = field(
+        default=True,
+        metadata={"help": "Use learned gates where the checkpoint has them. False ignores them."},
+    )
+    block_size: int = field(
+        default=1,
+        metadata={
+            "help": "Decide once per block of this many tokens: the block's first token runs the cascade, the "
+            "rest leave at the same depth without consulting the router. 1 decides per token."
+        },
+    )
+    max_pending: int = field(
+        default=8,
+        metadata={
+            "help": "Window rule: at most this many exited tokens may wait for the deep layers; at the limit the "
+            "next token is forced through the full depth, filling their KV in the same pass."
+        },
+    )
+    confidence_window: int = field(
+        default=0,
+        metadata={
+            "help": "Optional low-confidence window: if the mean confidence of the last this-many exits is below "
+            "window_min_confidence, force a deep pass. 0 turns the rule off."
+        },
+    )
+    window_min_confidence: float = field(
+        default=0.0,
+        metadata={"help": "Mean-confidence bound for confidence_window (in [0, 1])."},
+    )
+
+    def __post_init__(self) -> None:
+        self._check_cascade()
+
+    def _check_cascade(self) -> None:
+        if self.active_exit_layers is not None:
+            self.active_exit_layers = [int(e) for e in self.active_exit_layers]
+        for name in ("high_conf_threshold", "low_conf_threshold", "gate_threshold", "window_min_confidence"):
+            _check_unit_interval(name, getattr(self, name))
+        if self.low_conf_threshold > self.high_conf_threshold:
+            raise ValueError(
+                f"low_conf_threshold ({self.low_conf_threshold}) is above high_conf_threshold "
+                f"({self.high_conf_threshold}): set low <= high."
+            )
+        if self.entropy_normalized:
+            _check_unit_interval("entropy_threshold (normalized)", self.entropy_threshold)
+        elif not (self.entropy_threshold >= 0 and math.isfinite(self.entropy_threshold)):
+            raise ValueError(f"entropy_threshold must be a finite number of nats >= 0, got {self.entropy_threshold}.")
+        _check_integers(self, {"block_size": 1, "max_pending": 1, "confidence_window": 0})
+
+
+@dataclass
+class DraftingOptions:
+    """How drafts are made and judged: the mode, the decision policy (the measured cost model or the fixed cascade),
+    the acceptance priors, the zero-layer n-gram tier and its store, and the batch design."""
+
     mode: str = field(
         default="exit",
         metadata={
@@ -67,13 +228,6 @@ class RouterConfig:
             "faster in `bench-batch` on this project's CPU (docs/batching.md)."
         },
     )
-    draft_vocab_size: int = field(
-        default=4096,
-        metadata={
-            "help": "Exit heads draft over the this-many highest-ranked token ids only (a trimmed head: a small "
-            "fraction of the full head's cost); the deep pass still uses the full head. 0 uses the full vocabulary."
-        },
-    )
     probe_interval: int = field(
         default=8,
         metadata={
@@ -92,103 +246,6 @@ class RouterConfig:
             "help": "Cost policy: the exits' acceptance estimate before any verdict (in [0, 1]; None: "
             "acceptance_prior). Below an exit's break-even, the policy drafts from it only once shadow probes "
             "have seen it right often enough."
-        },
-    )
-    high_conf_threshold: float = field(
-        default=0.9,
-        metadata={"help": "Exit when the head's max softmax probability is at or above this (in [0, 1])."},
-    )
-    low_conf_threshold: float = field(
-        default=0.4,
-        metadata={
-            "help": "Go deeper when the max probability is below this (in [0, 1], at most high_conf_threshold). "
-            "Between the two, the entropy rule decides."
-        },
-    )
-    entropy_threshold: float = field(
-        default=0.15,
-        metadata={
-            "help": "Exit when the head's entropy is at or below this. In nats, or as a share of log(vocab) "
-            "when entropy_normalized is true (then in [0, 1])."
-        },
-    )
-    entropy_normalized: bool = field(
-        default=True,
-        metadata={"help": "Divide entropy by log(vocab) so that one threshold transfers across vocabularies."},
-    )
-    block_size: int = field(
-        default=1,
-        metadata={
-            "help": "Decide once per block of this many tokens: the block's first token runs the cascade, the "
-            "rest leave at the same depth without consulting the router. 1 decides per token."
-        },
-    )
-    max_pending: int = field(
-        default=8,
-        metadata={
-            "help": "Window rule: at most this many exited tokens may wait for the deep layers; at the limit the "
-            "next token is forced through the full depth, filling their KV in the same pass."
-        },
-    )
-    confidence_window: int = field(
-        default=0,
-        metadata={
-            "help": "Optional low-confidence window: if the mean confidence of the last this-many exits is below "
-            "window_min_confidence, force a deep pass. 0 turns the rule off."
-        },
-    )
-    window_min_confidence: float = field(
-        default=0.0,
-        metadata={"help": "Mean-confidence bound for confidence_window (in [0, 1])."},
-    )
-    gate_threshold: float = field(
-        default=0.5,
-        metadata={
-            "help": "When an exit has a learned gate, its predicted probability that the exit agrees with the "
-            "full model must reach this, or the head is skipped and the token goes deeper (in [0, 1])."
-        },
-    )
-    use_gate: bool = field(
-        default=True,
-        metadata={"help": "Use learned gates where the checkpoint has them. False ignores them."},
-    )
-    adapter: str = field(
-        default="postnorm",
-        metadata={
-            "help": "Exit adapter kind: 'identity' (logit lens, no parameters), 'linear' (residual full-rank "
-            "affine before the final norm, tuned-lens style), 'lowrank' (residual low-rank) or 'postnorm' "
-            "(residual full-rank map after the final norm; export-draft folds it exactly into the LM head) or "
-            "'block' (one decoder block at the exit, a trained copy of the next layer with a KV cache of its own, "
-            "as in Kangaroo; export-draft keeps it as the draft model's last layer) or 'residual_block' (such a "
-            "block whose attention and MLP outputs enter scaled per channel from zero, then a post-norm map: it "
-            "starts as exactly a 'postnorm' head, can be warm-started from one, and export-draft folds both "
-            "scales into the layer's own weights)."
-        },
-    )
-    exit_adapters: dict[int, str] | None = field(
-        default=None,
-        metadata={
-            "help": "Per-exit adapter kinds that replace `adapter` at those exits, e.g. {16: 'residual_block'} "
-            "(on the command line 16:residual_block,24:postnorm): a block where one layer of cost buys much more "
-            "agreement, the cheap map elsewhere. None gives every exit `adapter`."
-        },
-    )
-    adapter_rank: int = field(
-        default=64,
-        metadata={"help": "Rank of the 'lowrank' adapter."},
-    )
-    check_agreement: bool = field(
-        default=True,
-        metadata={
-            "help": "In exit mode, compute the full model's logits for every exited token during the KV fill and "
-            "report agreement. Costs one LM-head row per exited token; False computes only the last row."
-        },
-    )
-    check_fraction: float = field(
-        default=1.0,
-        metadata={
-            "help": "In exit mode, the share of exited tokens the deep pass checks against the full model (one "
-            "LM-head row each, spread evenly); agreement and the monitor count those. 1 checks every one (in [0, 1])."
         },
     )
     ngram_tier: bool = field(
@@ -226,6 +283,44 @@ class RouterConfig:
             "0 turns the store off."
         },
     )
+
+    def __post_init__(self) -> None:
+        self._check_drafting()
+
+    def _check_drafting(self) -> None:
+        for name, allowed in (("mode", MODES), ("policy", POLICIES), ("batch_design", BATCH_DESIGNS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Unknown {name} {getattr(self, name)!r}: use one of {', '.join(allowed)}.")
+        _check_unit_interval("acceptance_prior", self.acceptance_prior)
+        if self.exit_acceptance_prior is not None:
+            _check_unit_interval("exit_acceptance_prior", self.exit_acceptance_prior)
+        _check_integers(self, {"probe_interval": 0, "ngram_size": 2, "ngram_min_size": 1, "ngram_draft": 1,
+                               "ngram_store_tokens": 0})  # fmt: skip
+        if self.ngram_min_size > self.ngram_size:
+            raise ValueError(
+                f"ngram_min_size ({self.ngram_min_size}) is above ngram_size ({self.ngram_size}): set min <= size."
+            )
+
+
+@dataclass
+class MonitoringOptions:
+    """Online quality: which exited tokens the deep pass checks, the rolling agreement monitor, and the threshold
+    controller that steers toward a target agreement."""
+
+    check_agreement: bool = field(
+        default=True,
+        metadata={
+            "help": "In exit mode, compute the full model's logits for every exited token during the KV fill and "
+            "report agreement. Costs one LM-head row per exited token; False computes only the last row."
+        },
+    )
+    check_fraction: float = field(
+        default=1.0,
+        metadata={
+            "help": "In exit mode, the share of exited tokens the deep pass checks against the full model (one "
+            "LM-head row each, spread evenly); agreement and the monitor count those. 1 checks every one (in [0, 1])."
+        },
+    )
     monitor_window: int = field(
         default=32,
         metadata={"help": "Online monitoring: how many recently checked exited tokens the rolling agreement spans."},
@@ -249,89 +344,37 @@ class RouterConfig:
         default=0.01,
         metadata={"help": "Threshold controller: how far one deep pass moves the thresholds (in (0, 1])."},
     )
-    heads_trained: bool = field(
-        default=False,
-        metadata={
-            "help": "Set by training. False means the heads are the untrained logit lens, which is confidently "
-            "wrong on most models: lossy exits then warn."
-        },
-    )
 
     def __post_init__(self) -> None:
-        if self.exit_layers is not None:
-            self.exit_layers = [int(e) for e in self.exit_layers]
-            _check_exit_layers(self.exit_layers)
-        if self.active_exit_layers is not None:
-            self.active_exit_layers = [int(e) for e in self.active_exit_layers]
-            if self.exit_layers is not None and not set(self.active_exit_layers) <= set(self.exit_layers):
-                raise ValueError(
-                    f"active_exit_layers {self.active_exit_layers} must be a subset of exit_layers {self.exit_layers}."
-                )
-        if self.policy not in POLICIES:
-            raise ValueError(f"Unknown policy {self.policy!r}: use one of {', '.join(POLICIES)}.")
-        if self.mode not in MODES:
-            raise ValueError(f"Unknown mode {self.mode!r}: use one of {', '.join(MODES)}.")
-        if self.batch_design not in BATCH_DESIGNS:
-            raise ValueError(f"Unknown batch_design {self.batch_design!r}: use one of {', '.join(BATCH_DESIGNS)}.")
-        for name in (
-            "high_conf_threshold",
-            "low_conf_threshold",
-            "gate_threshold",
-            "window_min_confidence",
-            "monitor_min_agreement",
-            "acceptance_prior",
-            "check_fraction",
-        ):
+        self._check_monitoring()
+
+    def _check_monitoring(self) -> None:
+        for name in ("monitor_min_agreement", "check_fraction"):
             _check_unit_interval(name, getattr(self, name))
         if self.controller_target is not None:
             _check_unit_interval("controller_target", self.controller_target)
-        if self.exit_acceptance_prior is not None:
-            _check_unit_interval("exit_acceptance_prior", self.exit_acceptance_prior)
         if not 0 < self.controller_step <= 1:
             raise ValueError(f"controller_step must be in (0, 1], got {self.controller_step!r}.")
-        if self.low_conf_threshold > self.high_conf_threshold:
-            raise ValueError(
-                f"low_conf_threshold ({self.low_conf_threshold}) is above high_conf_threshold "
-                f"({self.high_conf_threshold}): set low <= high."
-            )
-        if self.entropy_normalized:
-            _check_unit_interval("entropy_threshold (normalized)", self.entropy_threshold)
-        elif not (self.entropy_threshold >= 0 and math.isfinite(self.entropy_threshold)):
-            raise ValueError(f"entropy_threshold must be a finite number of nats >= 0, got {self.entropy_threshold}.")
-        for name, low in (
-            ("block_size", 1),
-            ("max_pending", 1),
-            ("confidence_window", 0),
-            ("adapter_rank", 1),
-            ("monitor_window", 1),
-            ("ngram_size", 2),
-            ("ngram_min_size", 1),
-            ("ngram_draft", 1),
-            ("draft_vocab_size", 0),
-            ("probe_interval", 0),
-            ("ngram_store_tokens", 0),
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
-        if self.ngram_min_size > self.ngram_size:
-            raise ValueError(
-                f"ngram_min_size ({self.ngram_min_size}) is above ngram_size ({self.ngram_size}): set min <= size."
-            )
-        if self.adapter not in ADAPTER_KINDS:
-            raise ValueError(f"Unknown adapter {self.adapter!r}: use one of {', '.join(ADAPTER_KINDS)}.")
-        if self.exit_adapters is not None:
-            # JSON keys are strings: back to layer indices, in depth order.
-            kinds = {int(e): kind for e, kind in self.exit_adapters.items()}
-            self.exit_adapters = {e: kinds[e] for e in sorted(kinds)}
-            for e, kind in self.exit_adapters.items():
-                if kind not in ADAPTER_KINDS:
-                    raise ValueError(f"Unknown adapter {kind!r} for exit {e}: use one of {', '.join(ADAPTER_KINDS)}.")
-            stray = sorted(set(self.exit_adapters) - set(self.exit_layers or []))
-            if stray:
+        _check_integers(self, {"monitor_window": 1})
+
+
+@dataclass
+class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayout):
+    """Configuration of the exit heads and their routing: the four groups' fields in one flat dataclass.
+
+    Validation happens in `__post_init__` (ranges that need no model; each group checks its own fields) and in
+    `check_model_depth` (exit layers against the model's depth).
+    """
+
+    def __post_init__(self) -> None:
+        self._check_layout()
+        self._check_cascade()
+        self._check_drafting()
+        self._check_monitoring()
+        if self.active_exit_layers is not None and self.exit_layers is not None:
+            if not set(self.active_exit_layers) <= set(self.exit_layers):
                 raise ValueError(
-                    f"exit_adapters names layers {stray} that are not exit layers {self.exit_layers}: give every "
-                    "layer it names in exit_layers too."
+                    f"active_exit_layers {self.active_exit_layers} must be a subset of exit_layers {self.exit_layers}."
                 )
 
     def check_model_depth(self, num_layers: int) -> None:
@@ -378,13 +421,42 @@ class RouterConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
+    @staticmethod
+    def groups() -> dict[str, list[str]]:
+        """Each group's name and its fields, in order."""
+        return {g.__name__: [f.name for f in dataclasses.fields(g)] for g in GROUPS}
+
     @classmethod
     def describe(cls) -> str:
-        """One line per field: name, default, help."""
+        """One line per field, group by group: name, default, help."""
         lines = []
         for f in dataclasses.fields(cls):
             lines.append(f"{f.name} (default {f.default!r}): {f.metadata['help']}")
         return "\n".join(lines)
+
+    @classmethod
+    def reference(cls) -> str:
+        """The configuration reference (`docs/configuration.md`), generated from the groups and the help texts."""
+        lines = [
+            "# Configuration",
+            "",
+            "<!-- Generated from the help texts in early_exit_router/config.py (`RouterConfig.reference()`); edit them",
+            "there and regenerate: python -c 'from early_exit_router import RouterConfig as C; print(C.reference(),",
+            'end="")\' > docs/configuration.md (tests/test_docs.py checks that the two agree). -->',
+            "",
+            "`RouterConfig` holds every knob of the exit heads and their routing, in four groups. Set them in Python",
+            "(`RouterConfig(...)`, `router.config.replace(...)`, or per call `generate(..., config={...})`), on the",
+            "command line (`--high-conf-threshold 0.9`: every field is an option of the commands that load a model),",
+            "or per request in the server's `early_exit` field (the fields it accepts: docs/serving.md). A saved",
+            "router keeps them in `early_exit_config.json`.",
+        ]
+        for group in GROUPS:
+            lines += ["", f"## {group.__name__}", "", " ".join(group.__doc__.split()), ""]
+            lines += ["| field | default | meaning |", "|---|---|---|"]
+            for f in dataclasses.fields(group):
+                text = " ".join(f.metadata["help"].split()).replace("|", "\\|")
+                lines.append(f"| `{f.name}` | `{f.default!r}` | {text} |")
+        return "\n".join(lines) + "\n"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -415,3 +487,14 @@ def _check_exit_layers(layers: list[int]) -> None:
         raise ValueError(f"Exit layers contain duplicates: {layers}. List each layer once.")
     if layers != sorted(layers):
         raise ValueError(f"Exit layers must be sorted in increasing order, got {layers}; use {sorted(layers)}.")
+
+
+def _check_integers(config: Any, lowest: dict[str, int]) -> None:
+    """Each named field must be an integer (not a bool) at or above its bound."""
+    for name, low in lowest.items():
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+
+
+GROUPS = (HeadLayout, CascadeOptions, DraftingOptions, MonitoringOptions)

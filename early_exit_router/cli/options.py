@@ -12,24 +12,41 @@ CHOICES = {"mode": MODES, "adapter": ADAPTER_KINDS, "policy": POLICIES, "batch_d
 DEFAULT_PROMPT = "List the seven days of the week as a numbered list, one per line, nothing else."
 
 
+ROUTER_GROUP_TITLES = {
+    "HeadLayout": "router options: head layout (saved with the heads; a saved router refuses another)",
+    "CascadeOptions": "router options: exit rule",
+    "DraftingOptions": "router options: drafting",
+    "MonitoringOptions": "router options: monitoring",
+}
+INTERNAL_FIELDS = {"heads_trained"}  # set by training, not by hand
+
+
 def add_router_options(parser: argparse.ArgumentParser) -> None:
-    """One --option per RouterConfig field, with the field's own help text. Unset options keep saved values."""
-    group = parser.add_argument_group("router options (default: the saved or built-in RouterConfig)")
-    for f in dataclasses.fields(RouterConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata['help']} (built-in default: {f.default!r})"
-        if f.name in ("exit_layers", "active_exit_layers"):
-            group.add_argument(flag, type=int_list, default=None, metavar="E1,E2", help=help_text)
-        elif f.name == "exit_adapters":
-            group.add_argument(flag, type=kind_map, default=None, metavar="E1:KIND,E2:KIND", help=help_text)
-        elif f.type in ("bool", bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif f.name in CHOICES:
-            group.add_argument(flag, choices=CHOICES[f.name], default=None, help=help_text)
-        else:
-            kind = int if isinstance(f.default, int) and not isinstance(f.default, bool) else float
-            kind = str if isinstance(f.default, str) else kind
-            group.add_argument(flag, type=kind, default=None, help=help_text)
+    """One --option per RouterConfig field, grouped as the config groups them, with the field's own help text.
+    Unset options keep the saved (or built-in) values."""
+    fields = {f.name: f for f in dataclasses.fields(RouterConfig)}
+    for group_name, names in RouterConfig.groups().items():
+        group = parser.add_argument_group(f"{ROUTER_GROUP_TITLES[group_name]} (default: the saved or built-in value)")
+        for name in names:
+            if name not in INTERNAL_FIELDS:
+                _add_field(group, fields[name])
+
+
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    help_text = f"{f.metadata['help']} (built-in default: {f.default!r})"
+    if f.name in ("exit_layers", "active_exit_layers"):
+        group.add_argument(flag, type=int_list, default=None, metavar="E1,E2", help=help_text)
+    elif f.name == "exit_adapters":
+        group.add_argument(flag, type=kind_map, default=None, metavar="E1:KIND,E2:KIND", help=help_text)
+    elif f.type in ("bool", bool):
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    elif f.name in CHOICES:
+        group.add_argument(flag, choices=CHOICES[f.name], default=None, help=help_text)
+    else:
+        kind = int if isinstance(f.default, int) and not isinstance(f.default, bool) else float
+        kind = str if isinstance(f.default, str) else kind
+        group.add_argument(flag, type=kind, default=None, help=help_text)
 
 
 def add_load_options(parser: argparse.ArgumentParser) -> None:

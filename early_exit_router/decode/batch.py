@@ -22,7 +22,35 @@ from typing import Any
 
 import torch
 
+from early_exit_router.config import RouterConfig
+from early_exit_router.heads.adapters import needs_context
+from early_exit_router.heads.exit_heads import ExitHeads
 from early_exit_router.models import _compat
+
+
+def batch_layout(
+    config: RouterConfig, heads: ExitHeads, mode: str, sampling: bool, rows_can_change: bool
+) -> tuple[RouterConfig, str] | None:
+    """The config and design (`"synchronous"` or `"per_row"`) several rows decode under together, or None when they
+    must run one after another.
+
+    Block adapters keep a KV cache of their own per sequence, which batches do not carry: a batch consults the other
+    exits (verify mode stays exact whichever exits draft), and only when every consulted exit has a block do the rows
+    run alone. Verify mode runs per row under `batch_design="per_row"`, and always when sampling (one accepted prefix
+    for a batch cannot keep each row's distribution); where the cache's rows cannot hold holes (a sliding window
+    keeps the last slots, holes included), greedy batches fall back to the synchronous design and sampled ones run
+    alone."""
+    consulted = config.consulted_exit_layers()
+    plain = [e for e in consulted if not needs_context(heads.adapter(e))]
+    if not plain and consulted:
+        return None
+    if len(plain) < len(consulted):
+        config = config.replace(active_exit_layers=plain)
+    per_row = mode == "verify" and (sampling or config.batch_design == "per_row")
+    if per_row and not rows_can_change:
+        return None if sampling else (config, "synchronous")
+    return config, "per_row" if per_row else "synchronous"
+
 
 COMPACT_WASTE = 0.25  # compact when holes make the cache this share longer than its longest row's real slots
 COMPACT_MIN = 16  # ... and at least this many slots longer

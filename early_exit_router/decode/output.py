@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,21 @@ def run_to_end(
         logits = tuple(row.logits[: len(outputs[0])]) if request.output_logits else None
         return GenerationOutput(sequences, stats[0], logits, cache, depths[0])
     return GenerationOutput(sequences, combined_stats(stats), None, cache, depths, stats)
+
+
+def run_rows_alone(
+    decode_one: Callable[..., GenerationOutput], input_ids: torch.Tensor, attention_mask: torch.Tensor, pad: int
+) -> GenerationOutput:
+    """A left-padded batch decoded one row after another by `decode_one(ids, mask, pad_token_id=...)`, in a batch's
+    output layout (for rows that cannot share a decoder; no cache)."""
+    outputs, rows, depths = [], [], []
+    for r in range(input_ids.shape[0]):
+        ids = input_ids[r : r + 1, attention_mask[r].bool()]  # (1, n_r): the row without its left padding
+        out = decode_one(ids, torch.ones_like(ids), pad_token_id=pad)
+        outputs.append(out.sequences[0, ids.shape[1] :])
+        rows.append(out.stats)
+        depths.append(list(out.depths))
+    return GenerationOutput(padded_sequences(input_ids, outputs, pad), combined_stats(rows), None, None, depths, rows)
 
 
 def padded_sequences(input_ids: torch.Tensor, outputs: list[Any], pad_token_id: int) -> torch.Tensor:

@@ -19,8 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from early_exit_router.config import RouterConfig
-from early_exit_router.heads.block import block_source
-from early_exit_router.heads.exit_heads import DRAFT_RANKING, ExitHeads
+from early_exit_router.heads.exit_heads import DRAFT_RANKING, ExitHeads, build_heads
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.models.loading import ALIASES, resolve_alias
 
@@ -125,6 +124,17 @@ class SavedRouter:
     has_gates: bool
     tensors: dict[str, torch.Tensor]
 
+    def check_layout(self, config: RouterConfig, overrides: dict[str, Any]) -> None:
+        """Refuse a config (and field overrides) whose head layout is not these heads' own: they would not exist."""
+        fixed = {"exit_layers": self.exit_layers, "adapter": self.config.adapter}
+        fixed.update(adapter_rank=self.config.adapter_rank, exit_adapters=self.config.exit_adapters)
+        for key, value in fixed.items():
+            if overrides.get(key, value) != value or getattr(config, key) != value:
+                raise ValueError(
+                    f"The saved heads have {key}={value!r}; they cannot be loaded with another {key}. "
+                    "Train new heads for a different layout."
+                )
+
 
 def load_router(path: str | Path) -> SavedRouter:
     """Read a saved router folder, with a clear error for every way it can be broken.
@@ -206,8 +216,7 @@ def heads_from_saved(saved: SavedRouter, stack: LayerStack, config: RouterConfig
     """`saved`'s trained heads (adapters, gates, draft ranking) built on `stack`'s base model, which must be the
     one they were trained for; on its device and in its dtype."""
     saved.identity.check_matches(base_identity(stack, name))
-    kinds = {e: config.adapter_for(e) for e in saved.exit_layers}
-    heads = ExitHeads(saved.exit_layers, stack.hidden_size, kinds, config.adapter_rank, block_source(stack))
+    heads = build_heads(stack, config, saved.exit_layers)
     if saved.has_gates:  # the saved weights say which features the gates were trained with
         heads.add_gates(
             stack.hidden_size,

@@ -20,7 +20,7 @@ from early_exit_router.heads.adapters import (
     PostNormAdapter,
     needs_context,
 )
-from early_exit_router.heads.block import BLOCK_KINDS, BlockAdapter
+from early_exit_router.heads.block import BLOCK_KINDS, BlockAdapter, block_source
 from early_exit_router.heads.draft import DraftHead
 from early_exit_router.heads.gates import LearnedGate
 
@@ -68,6 +68,12 @@ class ExitHeads(nn.Module):
             {str(e): make_adapter(self.kinds[e], hidden_size, rank, block(e)) for e in exit_layers}
         )
         self.gates = nn.ModuleDict()
+
+    def kinds_summary(self) -> str:
+        """The adapter kind, or each exit's where they differ ("L16 residual_block, L24 postnorm")."""
+        if len(set(self.kinds.values())) == 1:
+            return next(iter(self.kinds.values()))
+        return ", ".join(f"L{e} {kind}" for e, kind in self.kinds.items())
 
     def adapter(self, layer: int) -> nn.Module:
         return self.adapters[str(layer)]
@@ -120,3 +126,11 @@ class ExitHeads(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def build_heads(stack: Any, config: Any, exit_layers: list[int]) -> ExitHeads:
+    """Fresh (untrained) heads at `exit_layers` with the config's adapter kinds, on the model's device and dtype: the
+    logit lens until trained or loaded."""
+    kinds = {e: config.adapter_for(e) for e in exit_layers}
+    heads = ExitHeads(exit_layers, stack.hidden_size, kinds, config.adapter_rank, block_source(stack))
+    return heads.to(device=stack.device, dtype=stack.dtype).eval()
