@@ -471,17 +471,17 @@ class EarlyExitRouter:
 
     def costs(self, refresh: bool = False, config: RouterConfig | None = None) -> CostModel:
         """The cost model the policy decides from: `cost_model` when assigned, else measured on this device for
-        `config`'s draft vocabulary and chunk lengths (default: the router's config).
+        `config`'s draft vocabulary (default: the router's config).
 
-        Measuring takes a few seconds once per model shape, device, dtype and library versions; the result is
-        cached on disk (see `routing/costs.py`). `refresh=True` measures again."""
+        Measuring takes a few seconds once per model shape, device, dtype and library versions, whatever the config
+        asks; the result is cached on disk (see `routing/costs.py`). `refresh=True` measures again."""
         if self.cost_model is not None and not refresh:
             return self.cost_model
         config = config or self.config
-        max_chunk = max(16, config.max_pending + 1)
-        key = cost_key(self.stack, config.draft_vocab_size, max_chunk)
-        if refresh or self._measured is None or self._measured.key != key:  # in memory: no disk read per call
-            self._measured = cost_model_for(self.stack, self.heads, config.draft_vocab_size, max_chunk, refresh=refresh)
+        key = cost_key(self.stack, config.draft_vocab_size)
+        stale = self._measured is not None and self._measured.stale  # decoders timed steps the table does not fit
+        if refresh or stale or self._measured is None or self._measured.key != key:  # in memory: no disk read per call
+            self._measured = cost_model_for(self.stack, self.heads, config.draft_vocab_size, refresh=refresh or stale)
         return self._measured
 
     def clear_ngram_store(self) -> None:

@@ -63,8 +63,8 @@ def _deterministic_costs(request, monkeypatch):
     from early_exit_router import api as router_module
     from early_exit_router.routing.costs import CostModel
 
-    def flat(stack, heads, draft_vocab_size, max_chunk, refresh=False):
-        return CostModel.synthetic(stack.num_layers, [1.0] * max_chunk, [6.0] * max_chunk, draft_head_ms=0.1)
+    def flat(stack, heads, draft_vocab_size, refresh=False):
+        return CostModel.synthetic(stack.num_layers, [1.0] * 16, [6.0] * 16, draft_head_ms=0.1)
 
     monkeypatch.setattr(router_module, "cost_model_for", flat)
     yield

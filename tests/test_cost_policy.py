@@ -32,8 +32,10 @@ def test_the_cost_model_is_measured_once_cached_and_invalidated_by_its_key(tmp_p
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
     stack, heads = router.stack, router.heads
-    first = cost_model_for(stack, heads, 32, max_chunk=4)
-    assert len(first.layer_ms) == 4 and len(first.head_ms) == 4 and all(t > 0 for t in first.layer_ms)
+    first = cost_model_for(stack, heads, 32)
+    assert len(first.layer_ms) == len(first.head_ms) == len(costs.MEASURED_CHUNKS) and all(
+        t > 0 for t in first.layer_ms
+    )
     assert first.draft_head_ms > 0 and first.num_layers == 6 and first.real_step_ms > 0
     assert len(list((tmp_path / "costs").glob("*.json"))) == 1
 
@@ -41,12 +43,12 @@ def test_the_cost_model_is_measured_once_cached_and_invalidated_by_its_key(tmp_p
         raise AssertionError("measured again although a cached table matches")
 
     monkeypatch.setattr(costs, "measure", no_measuring)
-    assert cost_model_for(stack, heads, 32, max_chunk=4) == first  # reloaded from disk, equal in every field
+    assert cost_model_for(stack, heads, 32) == first  # reloaded from disk, equal in every field
     with pytest.raises(AssertionError, match="measured again"):
-        cost_model_for(stack, heads, 16, max_chunk=4)  # another draft head size: another key
+        cost_model_for(stack, heads, 16)  # another draft head size: another key
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
     with pytest.raises(AssertionError, match="measured again"):
-        cost_model_for(stack, heads, 32, max_chunk=4)  # another thread count: another key
+        cost_model_for(stack, heads, 32)  # another thread count: another key
 
 
 @pytest.mark.parametrize("head", [False, True], ids=["pre-head gates", "head gates"])
@@ -54,7 +56,7 @@ def test_the_gate_is_timed_as_the_engine_calls_it(head):
     """A head gate reads the head's output: the measurement feeds it the draft logits, as the engine does."""
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
     router.heads.add_gates(router.stack.hidden_size, context=True, head=head)
-    assert costs.measure(router.stack, router.heads, 32, max_chunk=2).gate_ms > 0
+    assert costs.measure(router.stack, router.heads, 32, chunks=(1, 2)).gate_ms > 0
 
 
 def test_a_table_from_an_older_measuring_method_is_measured_again(tmp_path, monkeypatch):
@@ -62,7 +64,7 @@ def test_a_table_from_an_older_measuring_method_is_measured_again(tmp_path, monk
 
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
-    model = cost_model_for(router.stack, router.heads, 0, max_chunk=2)
+    model = cost_model_for(router.stack, router.heads, 0)
     (path,) = (tmp_path / "costs").glob("*.json")
     old = json.loads(path.read_text())
     old["format_version"] = 1  # a single sweep per chunk length, no real-step check
@@ -73,10 +75,10 @@ def test_a_table_from_an_older_measuring_method_is_measured_again(tmp_path, monk
 def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
-    model = cost_model_for(router.stack, router.heads, 0, max_chunk=2)
+    model = cost_model_for(router.stack, router.heads, 0)
     costs.cache_path(model.key).write_text("{not json")
     assert costs.load_cached(model.key) is None
-    assert cost_model_for(router.stack, router.heads, 0, max_chunk=2).key == model.key
+    assert cost_model_for(router.stack, router.heads, 0).key == model.key
 
 
 def test_flat_chunk_costs_lead_to_long_drafts():
@@ -335,3 +337,82 @@ def test_exit_mode_asks_no_exit_that_cannot_pay_and_probes_at_a_bounded_rate():
     # Where asking pays, every token is asked at the first exit (and leaves there at threshold 0).
     _, out, calls = count_asks(4, tiny_costs()["flat"])
     assert out.stats.exit_histogram.get(1, 0) >= 17 and calls["adapters"] >= 17
+
+
+def test_measured_lengths_are_fixed_and_between_them_costs_are_interpolated():
+    table = CostModel([1.0, 2.0, 4.0, 8.0], [10.0, 12.0, 16.0, 24.0], 0.1, 0.0, 6, chunks=[1, 2, 4, 8])
+    assert table.layers(1, 3) == pytest.approx(3.0) and table.layers(1, 6) == pytest.approx(6.0)
+    assert table.head(16) == pytest.approx(48.0)  # past the longest: linear in the rows
+    assert table.max_chunk == 8 and table.problems() == []
+    quirky = CostModel([1.0, 3.0, 3.0, 1.2], [1.0, 3.0, 3.0, 1.5], 0.1, 0.0, 6, chunks=[1, 2, 3, 8])
+    assert quirky.layer_pad(2) == 8 and quirky.layer_pad(1) == 1  # the cheapest measured length above
+
+
+@pytest.mark.measured_costs
+def test_cold_start_is_bounded_whatever_the_config_and_says_what_it_does(tmp_path, monkeypatch, caplog):
+    """A config without a window (max_pending 10,000) measures the same fixed chunk lengths as any other, once, and
+    one log line says so and where the table is kept; a later call (another max_pending) measures nothing."""
+    import logging
+
+    monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], max_pending=10_000)
+    with caplog.at_level(logging.WARNING, logger="early_exit_router"):
+        out = router.generate(prompt(0), max_new_tokens=8, mode="verify")
+    assert list(router.costs().chunk_lengths) == list(costs.MEASURED_CHUNKS)
+    lines = [r.getMessage() for r in caplog.records if "measuring" in r.getMessage()]
+    assert len(lines) == 1 and str(tmp_path / "costs") in lines[0]
+    assert torch.equal(out.sequences, model.generate(prompt(0), max_new_tokens=8, do_sample=False))
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("measured again"))
+    router.generate(prompt(0), max_new_tokens=4, mode="verify", config={"max_pending": 3})
+
+
+SKEWED = CostModel.synthetic(6, [62.0] + [9.9] * 15, [6.0] * 16, draft_head_ms=0.1)  # measured while the CPU was busy
+
+
+@pytest.mark.parametrize("mode", ["verify", "exit"])
+def test_a_table_that_looks_wrong_is_not_drafted_from(mode):
+    assert SKEWED.problems() and "under 0.5x one position" in SKEWED.problems()[0]
+    model = tiny_llama(0)
+    ids = prompt(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], high_conf_threshold=0.0, low_conf_threshold=0.0)
+    router.cost_model = SKEWED
+    out, calls = generate_counting(router, ids, 20, mode)
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=20, do_sample=False))  # plain, so exact
+    assert out.stats.exit_histogram == {5: 20} and out.stats.policy_cycles == {}
+    assert calls["adapters"] == 0 and calls["lm_head_rows"] == 20
+    assert "cost model looks wrong" in out.stats.fallback and "decoded plainly" in out.stats.summary()
+    router.cost_model = TINY["flat"]
+    assert router.generate(ids, max_new_tokens=20, mode=mode).stats.fallback is None
+
+
+def test_a_measurement_that_looks_wrong_is_taken_again_and_never_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
+    import dataclasses
+
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    key = costs.cost_key(router.stack, 0)
+    skewed, flat = (dataclasses.replace(table, key=key) for table in (SKEWED, TINY["flat"]))
+    tables = [skewed, flat]
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: tables.pop(0))
+    assert cost_model_for(router.stack, router.heads, 0) == flat  # the second try
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+    refreshed = [skewed, skewed]
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: refreshed.pop(0))
+    assert cost_model_for(router.stack, router.heads, 0, refresh=True) is skewed  # kept for this process only
+    assert costs.load_cached(key) == flat and not refreshed
+
+
+def test_a_table_the_decoders_steps_do_not_fit_is_measured_again(monkeypatch):
+    """Decoders time their plain steps; when the table predicts steps far from what they take, the router measures
+    it again on the next call."""
+    from early_exit_router import api
+
+    slow = CostModel.synthetic(6, [100.0] * 16, [600.0] * 16)  # predicts a 1.2 s step; the tiny model takes ~1 ms
+    asked = []
+    monkeypatch.setattr(api, "cost_model_for", lambda *a, refresh=False: asked.append(refresh) or slow)
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], active_exit_layers=[], ngram_tier=False)
+    router.generate(prompt(0), max_new_tokens=40, mode="verify")
+    assert asked == [False] and slow.stale  # 39 plain steps, each far below the table's
+    router.generate(prompt(0), max_new_tokens=4, mode="verify")
+    assert asked == [False, True]

@@ -77,3 +77,24 @@ def test_an_error_in_the_middle_of_training_leaves_the_model_as_it_was():
     train_heads(router, cache, TrainingConfig(max_steps=3, batch_tokens=16), progress=False)
     train_gates(router, cache, cache, TrainingConfig(gate_steps=3))
     assert_same_model(before, model_fingerprint(model))
+
+
+def test_a_plain_load_generate_and_save_print_nothing(tmp_path):
+    """In a fresh interpreter (where transformers imports torchao, installed for the tests): building a router,
+    generating and saving print nothing the caller did not ask for."""
+    import subprocess
+    import sys
+
+    script = f"""
+from early_exit_router import EarlyExitRouter
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64)
+router = EarlyExitRouter.from_model(LlamaForCausalLM(config).eval(), exit_layers=[1], policy="fixed")
+router.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, mode="verify")
+router.save_pretrained({str(tmp_path / "saved")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "" and done.stderr == "", (done.stdout, done.stderr)

@@ -77,8 +77,8 @@ def test_quantized_loading_keeps_its_own_cost_model_key():
     model = tiny_llama(0)
     quantize_loaded(model, "int8")
     small = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
-    assert cost_key(dense.stack, 0, 8)["weights"] == ["dense"]
-    assert cost_key(small.stack, 0, 8)["weights"] != ["dense"]
+    assert cost_key(dense.stack, 0)["weights"] == ["dense"]
+    assert cost_key(small.stack, 0)["weights"] != ["dense"]
 
 
 def test_the_compute_meter_counts_a_quantized_base_like_the_dense_one():

@@ -8,7 +8,8 @@ import torch
 
 from early_exit_router import EarlyExitRouter
 from early_exit_router.decode import batch as batching
-from early_exit_router.decode.loop import NGRAM_LAYER, Decoder
+from early_exit_router.decode.drafters import NGRAM_LAYER
+from early_exit_router.decode.loop import Decoder
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stopping import DecodeRequest
 from early_exit_router.decode.verify import accept_sampled

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from early_exit_router.decode.loop import NGRAM_LAYER
+from early_exit_router.decode.drafters import NGRAM_LAYER
 
 # ANSI foreground colours for exits, shallowest first; the full depth stays uncoloured, the n-gram tier magenta
 _EXIT_COLOURS = ("\033[32m", "\033[33m", "\033[36m", "\033[34m", "\033[31m")

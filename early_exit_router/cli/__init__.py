@@ -4,7 +4,6 @@ shared options live in `options`."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import warnings
 from types import ModuleType
@@ -55,11 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    warnings.simplefilter("default", UserWarning)
-    # transformers imports torchao whenever it is installed (the `quant` extra); on a CPU build its CUDA kernels
-    # fail to load, and torch's pytree warns about its enums. Neither matters to a command line run.
-    for noisy in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    warnings.simplefilter("default", UserWarning)  # (torchao's import noise is quieted by the package's import)
     command = COMMANDS.get(args.command)
     if command is None:
         parser.error(f"unknown command {args.command}")

@@ -32,7 +32,7 @@ from early_exit_router.config import MODES, RouterConfig
 from early_exit_router.decode import batch as batching
 from early_exit_router.decode.batch import Slots
 from early_exit_router.decode.deep import deep_pass, flush, head
-from early_exit_router.decode.drafters import NGRAM_LAYER, ExitDrafter, SuffixDrafter
+from early_exit_router.decode.drafters import ExitDrafter, SuffixDrafter
 from early_exit_router.decode.drafting import append_ngram, probe_exits, propose_ngram, try_exit
 from early_exit_router.decode.emit import append, choose, embed, settle
 from early_exit_router.decode.sampling import TokenSelector
@@ -43,8 +43,7 @@ from early_exit_router.decode.stats import (
     GenerationStats,
     PassCounters,
     RowCounters,
-    RowRecord,
-    row_stats,
+    decode_stats,
 )
 from early_exit_router.decode.stopping import DecodeRequest, StreamFrontier
 from early_exit_router.heads.adapters import needs_context
@@ -91,7 +90,11 @@ class Decoder(DecodeState):
         self.exits = config.consulted_exit_layers()
         self.full_layer = stack.num_layers - 1
         self.block_exits = [i for i, e in enumerate(self.exits) if needs_context(heads.adapter(e))]
-        self.policy = DraftPolicy.for_config(costs, config, heads) if config.policy == "cost" and costs else None
+        # A table that looks wrong (measured while other work held the CPU, say) is not drafted from: plain decoding.
+        found = costs.problems() if config.policy == "cost" and costs is not None else []
+        self.fallback = f"the cost model looks wrong ({'; '.join(found)})" if found else None
+        policy = config.policy == "cost" and costs is not None and not found
+        self.policy = DraftPolicy.for_config(costs, config, heads) if policy else None
         self.suffix = SuffixDrafter(config, store if config.ngram_tier else None)
         self.exit_drafter = ExitDrafter(stack, heads, config, self.exits)
         prior = {} if config.exit_acceptance_prior is None else {"exit": config.exit_acceptance_prior}
@@ -190,14 +193,26 @@ class Decoder(DecodeState):
         """One step for every row (a token each, or a draft), or, once no row drafts on, the flush of what waits."""
         if not self.rows:
             return
+        started, passes, positions = time.perf_counter(), self.passes.deep_passes, self.passes.fill_positions
         if all(row.done or row.stop_at is not None for row in self.rows):
             if self.pending:
                 flush(self)
+        elif self.fallback is not None:
+            self._plain_step()
         elif self._plans_cycles():
             self._cycle_step()
         else:
             self._cascade_step()
         settle(self)
+        one = self.passes.deep_passes == passes + 1 and self.passes.fill_positions == positions + 1
+        if one and len(self.rows) == 1 and self.costs is not None:  # a plain step: the table's check (`stale`)
+            self.costs.observe_step((time.perf_counter() - started) * 1000)
+
+    def _plain_step(self) -> None:
+        """Every layer for the current token, no head or gate at any exit, no draft."""
+        q = self.slots.length - 1
+        *_, at = self.fill.walk(embed(self, q), q, q + 1, self.slots, set())
+        deep_pass(self, at.hidden, at.chunk_start, has_current=True)
 
     def _plans_cycles(self) -> bool:
         """Verify mode plans whole draft cycles under the cost policy, and always in per-row batches."""
@@ -323,20 +338,7 @@ class Decoder(DecodeState):
     # ------------------------------------------------------------------------------------------------ results
     def stats(self, row: Row) -> GenerationStats:
         """The row's statistics (wall time up to now, or up to `finish`)."""
-        new = len(row.output())
-        end = row.ended if row.ended is not None else time.perf_counter()
-        record = RowRecord(row.depth[:new], row.counters, end - row.started, row.prefill_s)
-        names = {"ngram": "ngram match {}", "exit": "exit L{}", "ask": "exit rate L{}"}
-        acceptance = {
-            names[kind].format(index if kind == "ngram" else self.exits[index]): round(a, 4)
-            for (kind, index), a in sorted(self.tracker.estimates.items())
-        }
-        interval = self.config.probe_interval
-        skipped = {self.exits[i]: n - (n // interval if interval > 0 else 0) for i, n in
-                   sorted(self.passes.unpaid_asks.items())}  # fmt: skip
-        return row_stats(record, self.passes, self.monitor, mode=self.mode, num_layers=self.stack.num_layers,
-                         tier_layers=self.exits + [NGRAM_LAYER], threshold_shift=self.routing.threshold_shift,
-                         acceptance=acceptance, asks_skipped=skipped)  # fmt: skip
+        return decode_stats(self, row)
 
     def finish(self) -> Any:
         """Close a finished decode: the cache trimmed to what the outputs hold, every row's wall time stopped.

@@ -114,7 +114,8 @@ class DecodeState:
     exits: list[int]  # the consulted exit layers, in depth order
     full_layer: int
     block_exits: list[int]  # indices into `exits` whose adapter is a block with a context of its own
-    policy: DraftPolicy | None  # the cost policy (None: the fixed cascade)
+    policy: DraftPolicy | None  # the cost policy (None: the fixed cascade, or plain decoding under `fallback`)
+    fallback: str | None  # why this decode runs plainly (a cost table that looks wrong), else None
     suffix: SuffixDrafter
     exit_drafter: ExitDrafter
     tracker: AcceptanceTracker  # acceptance estimates per tier

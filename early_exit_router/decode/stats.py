@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 logger = logging.getLogger("early_exit_router")
 
@@ -49,6 +51,7 @@ class GenerationStats:
     # that left)
     acceptance: dict[str, float] = field(default_factory=dict)
     asks_skipped: dict[int, int] = field(default_factory=dict)  # exit mode, cost policy: exit layer -> tokens not asked
+    fallback: str | None = None  # why the decode ran plainly (no draft, no exit) where it did, else None
     mode: str = "exit"
     num_layers: int = 0
 
@@ -66,7 +69,8 @@ class GenerationStats:
         )
         agreement = "n/a (nothing exited)" if self.agreement is None else f"{self.agreement:.3f}"
         return "\n".join(
-            [
+            ([f"decoded plainly: {self.fallback}"] if self.fallback else [])
+            + [
                 f"mode {self.mode}: {self.new_tokens} new tokens in {self.wall_time_s:.2f} s "
                 f"({self.tokens_per_s:.1f} tok/s; decode {self.decode_tokens_per_s:.1f} tok/s; "
                 f"prefill {self.prefill_s * 1000:.0f} ms)",
@@ -181,6 +185,7 @@ def row_stats(
     threshold_shift: float,
     acceptance: dict[str, float],
     asks_skipped: dict[int, int],
+    fallback: str | None = None,
 ) -> GenerationStats:
     """One sequence's `GenerationStats`. `tier_layers[i]`: the histogram key of tier i (an exit layer, or -1)."""
     full = num_layers - 1
@@ -218,6 +223,7 @@ def row_stats(
         probes=passes.probes,
         acceptance=acceptance,
         asks_skipped=asks_skipped,
+        fallback=fallback,
         mode=mode,
         num_layers=num_layers,
     )
@@ -257,6 +263,7 @@ def combined_stats(rows: list[GenerationStats]) -> GenerationStats:
         asks_skipped=first.asks_skipped,
         threshold_shift=first.threshold_shift,
         monitor_warned=any(r.monitor_warned for r in rows),
+        fallback=first.fallback,
         mode=first.mode,
         num_layers=first.num_layers,
     )
@@ -271,3 +278,22 @@ def plain_stats(new_tokens: int, wall_s: float, num_layers: int) -> GenerationSt
                       asks_skipped={})  # fmt: skip
     stats.decode_tokens_per_s = 0.0  # the prefill is not timed apart
     return stats
+
+
+def decode_stats(dec: Any, row: Any) -> GenerationStats:
+    """One row's `GenerationStats` from a decode's state (`state.DecodeState`) and the row's record."""
+    new = len(row.output())
+    end = row.ended if row.ended is not None else time.perf_counter()
+    record = RowRecord(row.depth[:new], row.counters, end - row.started, row.prefill_s)
+    names = {"ngram": "ngram match {}", "exit": "exit L{}", "ask": "exit rate L{}"}
+    acceptance = {
+        names[kind].format(index if kind == "ngram" else dec.exits[index]): round(a, 4)
+        for (kind, index), a in sorted(dec.tracker.estimates.items())
+    }
+    interval = dec.config.probe_interval
+    skipped = {
+        dec.exits[i]: n - (n // interval if interval > 0 else 0) for i, n in sorted(dec.passes.unpaid_asks.items())
+    }
+    return row_stats(record, dec.passes, dec.monitor, mode=dec.mode, num_layers=dec.stack.num_layers,
+                     tier_layers=dec.exits + [-1], threshold_shift=dec.routing.threshold_shift,  # -1: the n-gram tier
+                     acceptance=acceptance, asks_skipped=skipped, fallback=dec.fallback)  # fmt: skip

@@ -6,14 +6,22 @@ chunk grows with its length: on a GPU at batch 1 a chunk of 8 positions costs ab
 slower at 2-3 rows than at 4. One policy reads the same table everywhere and drafts long where chunks are cheap and
 sparingly where they are not.
 
-Costs are measured once per model shape, device, dtype and library versions, in milliseconds, and cached on disk as
-JSON (`cache_root()/costs/<key hash>.json`), so later processes load them in a millisecond.
+Costs are measured once per model shape, device, dtype and library versions, in milliseconds, at a fixed set of chunk
+lengths (every length up to 16, where drafts and verify passes live, then 24, 32, 48 and 64; lengths in between are
+interpolated and longer ones extrapolated), so measuring takes the same few seconds whatever a config asks, and cached
+on disk as JSON (`cache_root()/costs/<key hash>.json`), so later processes load them in a millisecond.
+
+A table measured while other work held the CPU can be wrong by a factor (one layer 62 ms at one position, 9.9 ms at
+13). `CostModel.problems()` checks a table against itself (costs that fall as positions grow) and against a timed real
+step; a table with problems is measured again, not cached, and a decoder does not draft from it.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import logging
 import os
 import statistics
 import time
@@ -24,15 +32,23 @@ from typing import Any
 
 import torch
 
-COST_FORMAT_VERSION = 2  # 2: interleaved measurement rounds and a timed real step
+COST_FORMAT_VERSION = 3  # 3: a fixed set of chunk lengths; 2: interleaved measurement rounds and a timed real step
 PAD_MIN_GAIN = 0.15  # pad a chunk only when the padded length is measured at least this much cheaper
+MEASURED_CHUNKS = (*range(1, 17), 24, 32, 48, 64)  # chunk lengths timed: dense where drafts live, sparse beyond
+# A consistent table: a longer chunk costs at least this share of one position, and a timed real step lies within
+# this factor of the table's plain step.
+MIN_CHUNK_RATIO = 0.5
+REAL_STEP_FACTOR = 2.0
+OBSERVED_STEPS = 32  # plain steps a decoder's timings are judged over (`CostModel.stale`)
+
+logger = logging.getLogger("early_exit_router")
 
 
 @dataclass
 class CostModel:
-    """Milliseconds per operation, measured on one device. Tables are indexed by chunk length - 1."""
+    """Milliseconds per operation, measured on one device, at the chunk lengths `chunks` (default 1..len(layer_ms))."""
 
-    layer_ms: list[float]  # one decoder layer over a chunk of m new positions, m = 1..len(layer_ms)
+    layer_ms: list[float]  # one decoder layer over a chunk of m new positions, for each m in `chunks`
     head_ms: list[float]  # final norm + full LM head over m rows
     draft_head_ms: float  # one row through an exit adapter, the final norm and the trimmed draft head
     gate_ms: float  # one learned-gate call (0 where there are no gates)
@@ -40,22 +56,31 @@ class CostModel:
     key: dict[str, Any] = field(default_factory=dict)
     context: int = 0  # cached positions each layer held while measured
     real_step_ms: float = 0.0  # a timed real plain decoding step (every layer, one position, one head row): a check
+    chunks: list[int] = field(default_factory=list)  # the chunk length of each entry (empty: 1, 2, 3, ...)
+
+    @property
+    def chunk_lengths(self) -> list[int]:
+        return self.chunks or list(range(1, len(self.layer_ms) + 1))
 
     @property
     def max_chunk(self) -> int:
-        return len(self.layer_ms)
+        return self.chunk_lengths[-1]
 
-    @staticmethod
-    def _at(table: list[float], m: int) -> float:
-        """The measured cost at chunk length m; past the table's end, linear in m (the compute-bound regime)."""
+    def _at(self, table: list[float], m: int) -> float:
+        """The cost at chunk length m: measured, interpolated between the measured lengths around it, or past the
+        longest, linear in m (the compute-bound regime)."""
         if m <= 0:
             return 0.0
-        if m <= len(table):
-            return table[m - 1]
-        return table[-1] * m / len(table)
+        chunks = self.chunk_lengths
+        i = bisect.bisect_left(chunks, m)
+        if i == len(chunks):
+            return table[-1] * m / chunks[-1]
+        if chunks[i] == m or i == 0:
+            return table[i]
+        lo, hi = chunks[i - 1], chunks[i]
+        return table[i - 1] + (table[i] - table[i - 1]) * (m - lo) / (hi - lo)
 
-    @staticmethod
-    def _padded(table: list[float], m: int) -> int:
+    def _padded(self, table: list[float], m: int) -> int:
         """The chunk length to run m positions at: the cheapest measured length >= m, if it is at least
         PAD_MIN_GAIN cheaper than m itself; else m.
 
@@ -64,10 +89,49 @@ class CostModel:
         than running it as it is. A single position is never padded: a plain step stays exactly the plain model's
         work (in bf16 here a 2-row chunk measured cheaper than 1 row in isolation, yet padded plain steps ran 7%
         slower end to end), and small measured differences are noise, not a reason to spend compute."""
-        if m <= 1 or m > len(table):
+        if m <= 1 or m > self.max_chunk:
             return m
-        best = min(range(m, len(table) + 1), key=lambda k: (table[k - 1], k))
-        return best if table[best - 1] <= (1.0 - PAD_MIN_GAIN) * table[m - 1] else m
+        candidates = [(table[i], k) for i, k in enumerate(self.chunk_lengths) if k >= m]
+        cost, best = min(candidates)
+        return best if cost <= (1.0 - PAD_MIN_GAIN) * self._at(table, m) else m
+
+    def observe_step(self, ms: float) -> None:
+        """A plain decoding step as a decoder timed it; see `stale`."""
+        seen = self.__dict__.setdefault("_observed_steps", [])  # not a field: never saved with the table
+        seen.append(ms)
+        del seen[:-OBSERVED_STEPS]
+
+    @property
+    def stale(self) -> bool:
+        """Whether the plain steps decoders timed lately (at least OBSERVED_STEPS // 2 of them) took, in the median,
+        more than REAL_STEP_FACTOR times or less than 1 / REAL_STEP_FACTOR of what the table says a step costs: the
+        machine is not what it was when the table was measured."""
+        seen = self.__dict__.get("_observed_steps", [])
+        if len(seen) < OBSERVED_STEPS // 2:
+            return False
+        ratio = statistics.median(seen) / self.plain_step()
+        return not 1 / REAL_STEP_FACTOR <= ratio <= REAL_STEP_FACTOR
+
+    def problems(self) -> list[str]:
+        """What makes this table implausible (empty: none): non-positive costs, a longer chunk costing less than
+        MIN_CHUNK_RATIO of one position, or a timed real step further than REAL_STEP_FACTOR from the table's."""
+        found = []
+        for name, table in (("layer", self.layer_ms), ("head", self.head_ms)):
+            if not table or not all(v > 0 and v == v and v != float("inf") for v in table):
+                found.append(f"{name} costs are not all positive and finite")
+                continue
+            low = min(table[1:], default=table[0])
+            if low < MIN_CHUNK_RATIO * table[0]:
+                found.append(
+                    f"a {name} chunk costs {low:.3g} ms, under {MIN_CHUNK_RATIO:g}x one position's {table[0]:.3g} ms"
+                )
+        if self.real_step_ms > 0 and not found:
+            ratio = self.real_step_ms / self.plain_step()
+            if not 1 / REAL_STEP_FACTOR <= ratio <= REAL_STEP_FACTOR:
+                found.append(
+                    f"a timed real step took {self.real_step_ms:.3g} ms, the table predicts {self.plain_step():.3g} ms"
+                )
+        return found
 
     def layer_pad(self, m: int) -> int:
         """Positions to run a chunk of m positions through the layers at (see `_padded`)."""
@@ -113,7 +177,7 @@ class CostModel:
             "| chunk m | one layer ms | layers run as | full head ms | head run as | verify pass / plain step |",
             "|---|---|---|---|---|---|",
         ]
-        for m in range(1, self.max_chunk + 1):
+        for m in self.chunk_lengths:
             full = self.layers(self.num_layers, m)
             lines.append(
                 f"| {m} | {self._at(self.layer_ms, m):.3f} | {self.layer_pad(m)} | {self._at(self.head_ms, m):.2f} | "
@@ -140,8 +204,9 @@ class CostModel:
         return cls(list(layer_ms), list(head_ms), draft_head_ms, 0.0, num_layers, {"device": "synthetic"})
 
 
-def cost_key(stack: Any, draft_vocab_size: int, max_chunk: int) -> dict[str, Any]:
-    """What the measured costs depend on: the model's shape, the device, dtype, threads and library versions."""
+def cost_key(stack: Any, draft_vocab_size: int) -> dict[str, Any]:
+    """What the measured costs depend on: the model's shape, the device, dtype, threads and library versions, and the
+    draft head's size; no per-call option (a request's `max_pending` never starts a measurement)."""
     import transformers
 
     from early_exit_router._version import __version__
@@ -165,7 +230,7 @@ def cost_key(stack: Any, draft_vocab_size: int, max_chunk: int) -> dict[str, Any
         "transformers": transformers.__version__,
         "library": __version__,
         "draft_vocab_size": draft_vocab_size,
-        "max_chunk": max_chunk,
+        "chunks": list(MEASURED_CHUNKS),
     }
 
 
@@ -221,19 +286,19 @@ def measure(
     stack: Any,
     heads: Any,
     draft_vocab_size: int,
-    max_chunk: int = 16,
+    chunks: tuple[int, ...] = MEASURED_CHUNKS,
     context: int = 128,
     reps: int = 3,
     rounds: int = 3,
     probe_layers: int = 4,
 ) -> CostModel:
-    """Time `probe_layers` decoder layers at chunk lengths 1..max_chunk over a cache of `context` positions, the
-    full head at 1..max_chunk rows, one draft-head row and one gate call. Layers of one model share their shape,
-    so a few of them give the per-layer cost of all.
+    """Time `probe_layers` decoder layers at each of the chunk lengths `chunks` over a cache of `context` positions,
+    the full head at as many rows, one draft-head row and one gate call. Layers of one model share their shape, so a
+    few of them give the per-layer cost of all.
 
     The chunk lengths are swept `rounds` times, interleaved, and each entry is the median of its rounds' medians:
     a transient slowdown (another process, a kernel's first call at a new shape) then spoils one round of a few
-    entries, not the table. A real plain decoding step is timed too, as a check printed beside the table."""
+    entries, not the table. A real plain decoding step is timed in every round too, as a check (`problems`)."""
     from early_exit_router.heads.adapters import needs_context
     from early_exit_router.heads.draft import draft_logits
     from early_exit_router.heads.gates import gate_probability
@@ -261,17 +326,19 @@ def measure(
         for layer_idx in range(stop):
             crop_cache_layer(cache, layer_idx, context)
 
-    layer_rounds: list[list[float]] = [[] for _ in range(max_chunk)]
-    head_rounds: list[list[float]] = [[] for _ in range(max_chunk)]
+    layer_rounds: list[list[float]] = [[] for _ in chunks]
+    head_rounds: list[list[float]] = [[] for _ in chunks]
+    step_rounds: list[float] = []
+    x1, positions1 = chunk(1)
     for _ in range(rounds):
-        for m in range(1, max_chunk + 1):
+        for k, m in enumerate(chunks):
             x, positions = chunk(m)
-            layer_rounds[m - 1].append(timed(lambda x=x, p=positions: run_and_undo(x, p, count)) / count)
-            head_rounds[m - 1].append(timed(lambda x=x: stack.logits(x)))
+            layer_rounds[k].append(timed(lambda x=x, p=positions: run_and_undo(x, p, count)) / count)
+            head_rounds[k].append(timed(lambda x=x: stack.logits(x)))
+        step_rounds.append(timed(lambda: (run_and_undo(x1, positions1, stack.num_layers), stack.logits(x1))))
     layer_ms = [statistics.median(r) for r in layer_rounds]
     head_ms = [statistics.median(r) for r in head_rounds]
-    x, positions = chunk(1)
-    real_step_ms = timed(lambda: (run_and_undo(x, positions, stack.num_layers), stack.logits(x)))
+    real_step_ms = statistics.median(step_rounds)
     row = states(1)[:, 0]
     exit_layer = heads.exit_layers[0] if heads.exit_layers else None
     adapter = heads.adapter(exit_layer) if exit_layer is not None else None
@@ -284,19 +351,31 @@ def measure(
     if gate is not None:  # a head gate also reads the head's output: time it with the features it computes
         logits = draft_logits(stack, adapter, draft, row)
         gate_ms = timed(lambda: gate_probability(gate, row, None, logits, None, draft))
-    key = cost_key(stack, draft_vocab_size, max_chunk)
-    return CostModel(layer_ms, head_ms, draft_ms, gate_ms, stack.num_layers, key, context, real_step_ms)
+    key = cost_key(stack, draft_vocab_size)
+    return CostModel(layer_ms, head_ms, draft_ms, gate_ms, stack.num_layers, key, context, real_step_ms, list(chunks))
 
 
-def cost_model_for(stack: Any, heads: Any, draft_vocab_size: int, max_chunk: int, refresh: bool = False) -> CostModel:
-    """The cached cost model for this model and device, measured (a few seconds) and cached when missing."""
-    key = cost_key(stack, draft_vocab_size, max_chunk)
+def cost_model_for(stack: Any, heads: Any, draft_vocab_size: int, refresh: bool = False, tries: int = 2) -> CostModel:
+    """The cached cost model for this model and device; when missing (or implausible), measured (a few seconds,
+    said in one log line) and cached. A table that still has problems after `tries` measurements is kept for this
+    process only, and decoders do not draft from it (`CostModel.problems`)."""
+    key = cost_key(stack, draft_vocab_size)
     cached = None if refresh else load_cached(key)
-    if cached is not None:
+    if cached is not None and not cached.problems():
         return cached
-    model = measure(stack, heads, draft_vocab_size, max_chunk)
-    try:
-        save_cached(model)
-    except OSError:  # a read-only cache folder: keep the measurement for this process only
-        pass
+    path = cache_path(key)
+    for attempt in range(tries):
+        logger.warning(
+            "early-exit-router: measuring this model's costs on %s (once; cached at %s)", key["device"], path
+        )
+        model = measure(stack, heads, draft_vocab_size)
+        found = model.problems()
+        if not found:
+            try:
+                save_cached(model)
+            except OSError:  # a read-only cache folder: keep the measurement for this process only
+                pass
+            return model
+        logger.warning("early-exit-router: the measured costs look wrong (%s)%s", "; ".join(found),
+                       ", measuring again" if attempt + 1 < tries else ": not cached, decoding plainly")  # fmt: skip
     return model
