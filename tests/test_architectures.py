@@ -94,6 +94,16 @@ DISCOVERED = {
     "gptj": lambda: transformers.GPTJConfig(
         vocab_size=VOCAB, n_embd=32, n_layer=6, n_head=4, rotary_dim=4, n_positions=512, **NO_SPECIAL
     ),
+    # Rotary, parallel attention and MLP; its layers require an `alibi` argument, passed as None.
+    "falcon": lambda: transformers.FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        alibi=False,
+        max_position_embeddings=512,
+        **NO_SPECIAL,
+    ),  # fmt: skip
 }
 # Families the stack cannot run segment by segment: refused, with the reason.
 REFUSED = {
@@ -108,11 +118,11 @@ REFUSED = {
         lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=6, n_head=4, **NO_SPECIAL),
         "expected one final norm",
     ),
-    "falcon": (
+    "falcon-alibi": (
         lambda: transformers.FalconConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=6, num_attention_heads=4, alibi=True, **NO_SPECIAL
         ),
-        "cannot be run segment by segment",
+        r"need `alibi` \(config.alibi is set\), which early-exit-router does not compute",
     ),
 }
 

@@ -48,6 +48,14 @@ def cache_kwarg_for(layer_cls: type) -> str:
     )
 
 
+@cache
+def required_layer_inputs(layer_cls: type) -> tuple[str, ...]:
+    """The parameters of a decoder layer's forward that have no default (the hidden states among them)."""
+    params = inspect.signature(layer_cls.forward).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in params if p.default is inspect.Parameter.empty and p.kind in kinds)
+
+
 def layer_output_hidden(output: Any) -> torch.Tensor:
     """The hidden states a decoder layer returned (a tensor in 5.x, the first element of a tuple before)."""
     return output[0] if isinstance(output, (tuple, list)) else output

@@ -23,6 +23,10 @@ from torch import nn
 from early_exit_router.models import _compat
 
 POSITION_STYLES = ("rotary_shared", "rotary_per_layer_type", "learned")
+# Inputs a family's decoder layer requires that the stack does not compute, and the config flag under which the layer
+# actually needs them. Without the flag they are passed as None (Falcon's rotary configs take `alibi=None`); with it
+# the family is refused, with the reason.
+OPTIONAL_LAYER_INPUTS = {"alibi": "alibi"}
 MASK_RULES = ("full", "layer_types", "sliding_window_config")
 
 
@@ -120,9 +124,28 @@ class LayerStack:
         self.vocab_size = int(self.lm_head.weight.shape[0])
         self.mask_kinds = [self._mask_kind(j) for j in range(self.num_layers)]
         self._cache_kwarg = _compat.cache_kwarg_for(type(self.layers[0]))
+        self._absent_inputs = self._inputs_passed_as_none()
         self._softcap = (
             getattr(self.config, spec.final_logit_softcapping_attr, None) if spec.final_logit_softcapping_attr else None
         )
+
+    def _inputs_passed_as_none(self) -> dict[str, None]:
+        """The inputs the layers require but the stack does not compute (`OPTIONAL_LAYER_INPUTS`), as None; a config
+        that needs one of them is refused."""
+        known = {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache"}
+        absent = {}
+        for name in _compat.required_layer_inputs(type(self.layers[0])):
+            if name in known or name == self._cache_kwarg:
+                continue
+            flag = OPTIONAL_LAYER_INPUTS.get(name)
+            if flag is None or getattr(self.config, flag, False):
+                raise ValueError(
+                    f"{type(self.model).__name__}'s decoder layers need `{name}`"
+                    + (f" (config.{flag} is set)" if flag else "")
+                    + ", which early-exit-router does not compute; this configuration is not supported."
+                )
+            absent[name] = None
+        return absent
 
     def _mask_kind(self, layer_idx: int) -> str:
         rule = self.spec.mask_rule
@@ -236,6 +259,7 @@ class LayerStack:
             position_embeddings=rotary,
             use_cache=cache is not None,
             **{self._cache_kwarg: cache},
+            **self._absent_inputs,
         )
         return _compat.layer_output_hidden(output)
 
