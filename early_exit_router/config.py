@@ -304,21 +304,21 @@ class DraftingOptions:
 
 @dataclass
 class MonitoringOptions:
-    """Online quality: which exited tokens the deep pass checks, the rolling agreement monitor, and the threshold
-    controller that steers toward a target agreement."""
+    """Online quality: which final early tokens the deep pass checks, the rolling exit-agreement monitor, and the
+    threshold controller steering toward a target exit agreement (rejected drafts, corrected, reach neither)."""
 
     check_agreement: bool = field(
         default=True,
         metadata={
             "help": "In exit mode, compute the full model's logits for every exited token during the KV fill and "
-            "report agreement. Costs one LM-head row per exited token; False computes only the last row."
+            "report the exit agreement. Costs one LM-head row per exited token; False computes only the last row."
         },
     )
     check_fraction: float = field(
         default=1.0,
         metadata={
             "help": "In exit mode, the share of exited tokens the deep pass checks against the full model (one "
-            "LM-head row each, spread evenly); agreement and the monitor count those. 1 checks every one (in [0, 1])."
+            "LM-head row each, spread evenly); the exit agreement and the monitor count those. 1: all (in [0, 1])."
         },
     )
     monitor_window: int = field(
@@ -328,7 +328,7 @@ class MonitoringOptions:
     monitor_min_agreement: float = field(
         default=0.0,
         metadata={
-            "help": "Warn (once per generate call) when the rolling agreement of exited tokens with the full model "
+            "help": "Warn (once per generate call) when the rolling exit agreement (exited tokens with the full model) "
             "falls below this (in [0, 1]); 0 turns the warning off. The statistics always carry the minimum seen."
         },
     )
@@ -336,7 +336,7 @@ class MonitoringOptions:
         default=None,
         metadata={
             "help": "Threshold controller: after every deep pass, shift both confidence thresholds up by "
-            "controller_step while the rolling agreement of exited tokens (over the last monitor_window checks) is "
+            "controller_step while the rolling exit agreement (over the last monitor_window checked exited tokens) is "
             "below this, and down by the same step while it is above; in [0, 1]. None keeps the thresholds fixed."
         },
     )

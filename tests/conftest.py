@@ -100,6 +100,24 @@ def assert_cache_matches_full_forward(model, sequences: torch.Tensor, cache, ato
         torch.testing.assert_close(mine.values, ref.values, atol=atol, rtol=0, msg=f"values of layer {layer_idx}")
 
 
+def assert_exit_statistics_match_teacher_forcing(model, prompt_len: int, out) -> None:
+    """Exit mode's two statistics against one full forward pass over the (single-row, greedy) output: every early
+    token that was never verified is checked (check_fraction 1), and its disagreements with the full model's greedy
+    choice given the same prefix are exactly the exit agreement's; the verified early tokens are the accepted drafts
+    (those agree by construction), so the checked ones and the accepted drafts are all the early tokens."""
+    s, full_layer = out.stats, model.config.num_hidden_layers - 1
+    with torch.no_grad():
+        logits = model(out.sequences).logits[0]  # (prompt + new, vocab)
+    new = out.sequences[0, prompt_len:]
+    chosen = logits[prompt_len - 1 : -1].argmax(dim=-1)  # the full model's greedy choice at each new token
+    early = [i for i, d in enumerate(out.depths) if d != full_layer]
+    disagreements = sum(int(chosen[i] != new[i]) for i in early)
+    agreed = round((s.exit_agreement or 0.0) * s.exit_checked)
+    accepted = round((s.draft_acceptance or 0.0) * s.drafts_judged)
+    assert s.exit_checked - agreed == disagreements, (s.exit_agreement, s.exit_checked, disagreements)
+    assert s.exit_checked + accepted == len(early), (s.exit_checked, accepted, len(early))
+
+
 def model_fingerprint(model) -> dict:
     """Everything `unpatch()` must restore, by value: parameters, state_dict, submodules, attributes, flags, hooks,
     `requires_grad`, `training` and the configs."""

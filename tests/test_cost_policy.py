@@ -179,7 +179,7 @@ def test_trimmed_drafts_in_verify_mode_equal_greedy_across_random_thresholds(tri
     out = router.generate(ids, max_new_tokens=n, mode="verify")
     assert torch.equal(out.sequences, ref)
     assert any(k.startswith("exit") for k in out.stats.policy_cycles), out.stats.policy_cycles
-    assert out.stats.exited_checked > 0  # drafts happened and the deep pass judged them
+    assert out.stats.drafts_judged > 0  # drafts happened and the deep pass judged them
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
 
 
@@ -330,7 +330,7 @@ def test_exit_mode_asks_no_exit_that_cannot_pay_and_probes_at_a_bounded_rate():
     # leaves there); L3 sees the other 15 tokens and is asked on every 4th of them.
     _, out, calls = count_asks(4, never_pays)
     assert calls["adapters"] == 5 + 3 and out.stats.exit_histogram == {1: 5, 3: 3, 5: 13}  # and the prefill's token
-    assert out.stats.asks_skipped == {1: 20 - 5, 3: 15 - 3} and "exit rate L1" in out.stats.acceptance
+    assert out.stats.asks_skipped == {1: 20 - 5, 3: 15 - 3} and "exit rate L1" in out.stats.policy_estimates
     # Blocks of tokens follow their first token's decision, which the per-token rule does not price: all asked.
     _, out, calls = count_asks(0, never_pays, block_size=2)
     assert out.stats.asks_skipped == {} and calls["adapters"] > 0

@@ -18,6 +18,7 @@ from .conftest import (
     UNVERIFIED_NGRAM,
     VOCAB,
     assert_cache_matches_full_forward,
+    assert_exit_statistics_match_teacher_forcing,
     prompt,
     tiny_llama,
 )
@@ -101,7 +102,7 @@ def test_cache_matches_a_full_forward_pass_after_mixed_exits(trial):
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
     stats = out.stats
     assert sum(stats.exit_histogram.values()) == stats.new_tokens == out.sequences.shape[1] - ids.shape[1]
-    assert stats.exited_checked == stats.new_tokens - stats.exit_histogram.get(5, 0)
+    assert stats.exit_checked == stats.new_tokens - stats.exit_histogram.get(5, 0)
 
 
 def test_mixed_exits_really_mix_depths():
@@ -125,7 +126,7 @@ def test_verify_mode_is_greedy_identical_for_any_thresholds(trial):
     assert torch.equal(out.sequences, ref)
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
     # drafts were made and judged (the deep pass saw every one), so the identity was not trivially satisfied
-    assert out.stats.exited_checked > 0 or n == 1, out.stats
+    assert out.stats.drafts_judged > 0 or n == 1, out.stats
 
 
 def test_max_pending_bounds_the_waiting_tokens():
@@ -251,9 +252,9 @@ def test_statistics_are_consistent():
     assert 0 < len(shallow) < 30
     assert s.hit_rate == pytest.approx(len(shallow) / 30)
     assert s.exit_histogram == {d: out.depths.count(d) for d in sorted(set(out.depths))}
-    assert s.exited_checked == len(shallow)
-    assert s.agreement is None or 0 <= s.agreement <= 1
-    assert set(s.agreement_by_layer) <= {1, 3}
+    assert s.exit_checked == len(shallow) and s.drafts_judged == 0  # no n-gram draft was verified here
+    assert s.exit_agreement is None or 0 <= s.exit_agreement <= 1
+    assert set(s.exit_agreement_by_layer) <= {1, 3} and s.draft_acceptance is None
     assert s.wall_time_s > 0 and s.prefill_s > 0 and s.tokens_per_s > 0
     assert 0 < s.routing_overhead < 1 and s.routing_s > 0
     assert s.deep_passes >= 1 and s.mean_fill_chunk >= 1
@@ -293,7 +294,7 @@ def test_agreement_check_can_be_skipped_without_changing_tokens():
     router.config = router.config.replace(check_agreement=False)
     unchecked = router.generate(prompt(0), max_new_tokens=30)
     assert torch.equal(checked.sequences, unchecked.sequences)
-    assert checked.stats.agreement is not None and unchecked.stats.agreement is None
+    assert checked.stats.exit_agreement is not None and unchecked.stats.exit_agreement is None
     assert_cache_matches_full_forward(model, unchecked.sequences, unchecked.cache)
 
 
@@ -306,8 +307,8 @@ def test_exit_mode_checks_a_sample_of_exited_tokens(fraction):
     sampled = router.generate(prompt(0), max_new_tokens=40)
     exited = sum(d != 5 for d in sampled.depths)
     assert torch.equal(full.sequences, sampled.sequences)  # checking never changes what is emitted
-    assert full.stats.exited_checked == exited > 8
-    assert sampled.stats.exited_checked == int(exited * fraction)  # evenly spread, deterministic
+    assert full.stats.exit_checked == exited > 8
+    assert sampled.stats.exit_checked == int(exited * fraction)  # evenly spread, deterministic
     assert_cache_matches_full_forward(model, sampled.sequences, sampled.cache)
 
 
@@ -329,7 +330,7 @@ def test_monitor_warns_once_when_rolling_agreement_drops(caplog):
     )
     with caplog.at_level(logging.WARNING):
         out = router.generate(prompt(0), max_new_tokens=30)
-    assert out.stats.agreement < 0.99 and out.stats.monitor_warned
+    assert out.stats.exit_agreement < 0.99 and out.stats.monitor_warned
     assert out.stats.min_rolling_agreement is not None and out.stats.min_rolling_agreement < 0.99
     assert sum("early-exit monitor" in r.getMessage() for r in caplog.records) == 1
     router.config = router.config.replace(monitor_min_agreement=0.0)
@@ -340,9 +341,9 @@ def test_verify_mode_reports_accepted_draft_lengths():
     model = tiny_llama(0)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
     s = router.generate(prompt(0), max_new_tokens=40, mode="verify").stats
-    assert s.exited_checked > 0
-    accepted = round(s.agreement * s.exited_checked)
-    assert s.mean_accepted_length > 0 and accepted == s.exited_checked - s.rejected_drafts
+    assert s.drafts_judged > 0 and s.exit_checked == 0 and s.exit_agreement is None  # no early token stays unverified
+    accepted = round(s.draft_acceptance * s.drafts_judged)
+    assert s.mean_accepted_length > 0 and accepted == s.drafts_judged - s.rejected_drafts
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
@@ -377,7 +378,7 @@ def test_ngram_tier_proposes_on_repetitive_text_and_fills_the_cache_in_exit_mode
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], max_pending=6, **{**NEVER_EXIT, **UNVERIFIED_NGRAM})
     out = router.generate(repetitive_prompt(), max_new_tokens=30, mode="exit")
     assert out.stats.exit_histogram.get(-1, 0) > 0, out.stats.exit_histogram  # its own histogram row
-    assert -1 in out.stats.agreement_by_layer
+    assert -1 in out.stats.exit_agreement_by_layer  # unverified: its tokens are final, so checked
     assert "ngram" in out.stats.summary()
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
     verified = router.generate(repetitive_prompt(), max_new_tokens=30, mode="verify")
@@ -441,7 +442,7 @@ def test_verify_with_heads_that_are_always_right_accepts_every_draft():
     router = EarlyExitRouter.from_model(model, exit_layers=[2], max_pending=5, **ALWAYS_EXIT)
     out = router.generate(ids, max_new_tokens=30, mode="verify")
     assert torch.equal(out.sequences, ref)
-    assert out.stats.rejected_drafts == 0 and out.stats.agreement == 1.0
+    assert out.stats.rejected_drafts == 0 and out.stats.draft_acceptance == 1.0
     assert out.stats.exit_histogram == {2: 25, 5: 5}  # the first token, then every 6th forced deep
     assert out.stats.mean_accepted_length == 5.0  # max_pending drafts per verifying pass
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
@@ -464,8 +465,8 @@ def test_verify_with_heads_that_are_never_right_rejects_every_draft():
         router.heads.adapters[str(layer)] = ConstantHidden(vector)
     out = router.generate(ids, max_new_tokens=30, mode="verify")
     assert torch.equal(out.sequences, ref)
-    assert out.stats.exited_checked > 0 and out.stats.rejected_drafts == out.stats.exited_checked
-    assert out.stats.agreement == 0.0 and out.stats.hit_rate == 0.0
+    assert out.stats.drafts_judged > 0 and out.stats.rejected_drafts == out.stats.drafts_judged
+    assert out.stats.draft_acceptance == 0.0 and out.stats.hit_rate == 0.0
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
 
 
@@ -475,7 +476,7 @@ def test_threshold_controller_steers_toward_the_target_agreement():
     loose = dict(exit_layers=[1, 3], high_conf_threshold=0.05, low_conf_threshold=0.05, entropy_threshold=0.0)
     router = EarlyExitRouter.from_model(model, **loose, ngram_tier=False)  # the hit rate then counts exits alone
     free = router.generate(ids, max_new_tokens=60).stats
-    assert free.threshold_shift == 0.0 and free.agreement < 0.9  # the loose threshold exits wrongly often
+    assert free.threshold_shift == 0.0 and free.exit_agreement < 0.9  # the loose threshold exits wrongly often
 
     router.config = router.config.replace(controller_target=0.9, controller_step=0.01)
     strict = router.generate(ids, max_new_tokens=60).stats
@@ -498,3 +499,34 @@ def test_controller_settings_are_validated():
         EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1], controller_target=1.5)
     with pytest.raises(ValueError, match="controller_step"):
         EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1], controller_step=0.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_exit_agreement_counts_final_early_tokens_and_draft_acceptance_the_verified_ones(seed):
+    """Exit mode with the verified n-gram tier: rejected drafts cost nothing in quality, so they count in the draft
+    acceptance (speed) and never in the exit agreement (quality), which teacher forcing recomputes exactly."""
+    model = tiny_llama(seed)
+    config = {**MIXED, "ngram_tier": True, "ngram_store_tokens": 0, "max_pending": 6}
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    ids = repetitive_prompt(3)
+    out = router.generate(ids, max_new_tokens=40, mode="exit")
+    s = out.stats
+    assert s.exit_checked > 0 and s.drafts_judged > 0 and s.rejected_drafts > 0, s
+    assert -1 in s.draft_acceptance_by_layer and -1 not in s.exit_agreement_by_layer  # the tier's drafts were verified
+    assert_exit_statistics_match_teacher_forcing(model, ids.shape[1], out)
+    assert "exit agreement" in s.summary() and "draft acceptance" in s.summary()
+
+
+def test_rejected_drafts_reach_neither_the_monitor_nor_the_controller():
+    """Only final early tokens are a quality signal: with every exit closed, the n-gram tier's rejected drafts leave
+    the threshold controller and the drift warning where they were."""
+    model = tiny_llama(0)
+    config = {**NEVER_EXIT, "ngram_tier": True, "ngram_store_tokens": 0}
+    watch = dict(monitor_window=2, monitor_min_agreement=0.99, controller_target=0.99, controller_step=0.05)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config, **watch)
+    pattern = prompt(1, length=4)  # a pattern three times, different tokens after it: some copies go wrong
+    ids = torch.cat([pattern, prompt(11, length=3), pattern, prompt(21, length=3), pattern], dim=1)
+    s = router.generate(ids, max_new_tokens=40, mode="exit").stats
+    assert s.rejected_drafts > 0 and s.draft_acceptance < 1
+    assert s.exit_checked == 0 and s.exit_agreement is None
+    assert s.threshold_shift == 0.0 and not s.monitor_warned and s.min_rolling_agreement is None

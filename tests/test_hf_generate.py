@@ -49,7 +49,7 @@ def test_generate_routes_exits_and_verify_mode_stays_identical():
     assert torch.equal(routed, router.generate(ids, max_new_tokens=24).sequences)  # the same engine
     verify = GenerationConfig(max_new_tokens=24, do_sample=False, early_exit_mode="verify")
     verified = model.generate(ids, generation_config=verify)
-    assert router.last_stats.mode == "verify" and router.last_stats.exited_checked > 0  # drafts were verified
+    assert router.last_stats.mode == "verify" and router.last_stats.drafts_judged > 0  # drafts were verified
     assert torch.equal(verified, plain_generate(1, ids, max_new_tokens=24, do_sample=False))
 
 
@@ -90,7 +90,7 @@ def test_processors_stopping_criteria_streamer_and_dict_output_work_as_in_hf():
     plain = plain_generate(3, ids, stopping_criteria=StoppingCriteriaList([StopAfter()]), **kwargs)
     assert torch.equal(out.sequences, plain.sequences)
     assert out.sequences.shape[1] == ids.shape[1] + 9 and banned not in out.sequences[0, ids.shape[1] :].tolist()
-    assert router.last_stats.exited_checked > 0  # drafts were proposed and verified on the way
+    assert router.last_stats.drafts_judged > 0  # drafts were proposed and verified on the way
     assert len(out.scores) == len(plain.scores) == len(out.logits) == 9
     for mine, theirs in zip(out.scores, plain.scores):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)

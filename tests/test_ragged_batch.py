@@ -64,9 +64,9 @@ def test_per_row_verify_equals_hf_batched_greedy_for_every_row(seed, policy, mon
     compactions = counting_compactions(monkeypatch)
     out = router.generate(ids, 30, mode="verify", attention_mask=mask)
     assert torch.equal(out.sequences, reference)
-    drafted = sum(s.exited_checked for s in out.row_stats)
+    drafted = sum(s.drafts_judged for s in out.row_stats)
     if policy != "steep":  # drafts were made, some rejected (holes), some accepted (tokens gained)
-        assert out.stats.rejected_drafts > 0 and out.stats.agreement > 0 and drafted > 0
+        assert out.stats.rejected_drafts > 0 and out.stats.draft_acceptance > 0 and drafted > 0
         assert out.stats.deep_passes < 30
         assert all(NGRAM_LAYER in depths for depths in out.depths)
     else:  # every extra position costs nearly a full one: the policy decodes plainly
@@ -157,7 +157,7 @@ def test_batched_sampling_in_verify_mode_runs_per_row():
     # top_k=1 leaves one token with probability 1: the sampling rule must then give greedy output exactly
     point = router.generate(ids, 24, mode="verify", attention_mask=mask, do_sample=True, top_k=1, seed=0)
     assert torch.equal(point.sequences, hf_batched_greedy(model, ids, mask, 24))
-    assert sum(s.exited_checked for s in point.row_stats) > 0  # n-gram drafts were judged by the sampling rule
+    assert sum(s.drafts_judged for s in point.row_stats) > 0  # n-gram drafts were judged by the sampling rule
     assert point.stats.rejected_drafts > 0
 
 

@@ -12,7 +12,7 @@ from early_exit_router.cli import main
 from early_exit_router.heads.checkpoint import is_router_dir, load_router, shipped_checkpoint
 from early_exit_router.models.loading import alias_gguf_path
 
-from .conftest import assert_cache_matches_full_forward
+from .conftest import assert_cache_matches_full_forward, assert_exit_statistics_match_teacher_forcing
 
 pytestmark = pytest.mark.real_model
 
@@ -72,6 +72,17 @@ def test_exit_mode_fills_the_cache_exactly_on_the_real_model(smol):
     out = smol.generate(ids, max_new_tokens=24, mode="exit")
     assert out.stats.hit_rate > 0  # counting from one to ten: the shipped heads exit on part of it
     assert_cache_matches_full_forward(smol.model, out.sequences, out.cache, atol=3e-4)  # fp32 rounding, as above
+
+
+def test_exit_agreement_is_teacher_forced_agreement_of_the_final_early_tokens(smol):
+    """The shipped config in exit mode on a conversion: the n-gram tier copies and is partly rejected (a speed cost,
+    counted in the draft acceptance), and the exit agreement is what teacher forcing finds on the exited tokens."""
+    ids = smol.encode("Convert to JSON: name = Alice, age = 30, city = Paris, job = engineer.", chat=True)
+    out = smol.generate(ids, max_new_tokens=48, mode="exit")
+    s = out.stats
+    assert s.exit_checked > 5 and s.rejected_drafts > 0 and s.draft_acceptance_by_layer[-1] < 1, s
+    with smol.disabled() as plain:
+        assert_exit_statistics_match_teacher_forcing(plain, ids.shape[1], out)
 
 
 def test_stop_strings_end_generation(smol):

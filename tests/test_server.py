@@ -82,8 +82,10 @@ def test_models_health_and_metrics(server):
     assert status == 200 and json.loads(text)["status"] == "ok"
     status, text = get(url, "/metrics")
     assert status == 200
-    for name in ("eer_queue_depth", "eer_requests_total", "eer_tokens_per_second", "eer_hit_rate", "eer_plain_share"):
+    names = ("eer_queue_depth", "eer_requests_total", "eer_tokens_per_second", "eer_hit_rate", "eer_plain_share")
+    for name in names + ("eer_exit_agreement", "eer_draft_acceptance"):
         assert name in text
+    assert "eer_agreement" not in text  # quality and speed are separate numbers
 
 
 def test_completion_equals_the_same_request_run_alone(server, smol):
@@ -92,7 +94,11 @@ def test_completion_equals_the_same_request_run_alone(server, smol):
     response = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
     assert response.choices[0].text == alone(smol, prompt, 24)
     assert response.usage.completion_tokens == 24 and response.choices[0].finish_reason == "length"
-    assert response.model_extra["early_exit"]["mode"] == "verify"
+    block = response.model_extra["early_exit"]
+    assert block["mode"] == "verify" and "agreement" not in block
+    # verify mode: nothing early stays unverified (no exit agreement); the drafts' acceptance is the speed number
+    assert block["exit_agreement"] is None and block["exit_checked"] == 0
+    assert block["drafts_judged"] > 0 and 0 <= block["draft_acceptance"] <= 1
 
 
 def test_chat_stream_reassembles_to_the_non_streamed_text(server, smol):
@@ -129,7 +135,9 @@ def test_per_request_routing_options(server):
         temperature=0,
         extra_body={"early_exit": {"mode": "exit", "high_conf_threshold": 0.9}},
     )
-    assert response.model_extra["early_exit"]["mode"] == "exit"
+    block = response.model_extra["early_exit"]
+    assert block["mode"] == "exit" and block["exit_checked"] >= 0
+    assert block["exit_agreement"] is None or 0 <= block["exit_agreement"] <= 1
     status, body, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "early_exit": {"exit_layers": [1]}})
     assert status == 400 and "exit_layers" in body["error"]["message"]
 

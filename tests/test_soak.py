@@ -46,7 +46,7 @@ def test_ten_thousand_tokens_keep_memory_flat_and_statistics_consistent():
         new = out.sequences.shape[1] - ids.shape[1]
         s = out.stats
         assert new == n == s.new_tokens == sum(s.exit_histogram.values()) == len(out.depths)
-        assert 0 <= s.hit_rate <= 1 and (s.agreement is None or 0 <= s.agreement <= 1)
+        assert 0 <= s.hit_rate <= 1 and (s.exit_agreement is None or 0 <= s.exit_agreement <= 1)
         generated += new
         calls += 1
         if calls == 20:

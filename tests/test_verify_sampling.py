@@ -41,7 +41,7 @@ def test_second_token_distribution_matches_the_full_model(draft_vocab_size):
     for seed in range(runs):
         out = router.generate(ids, max_new_tokens=2, mode="verify", do_sample=True, temperature=temperature, seed=seed)
         counts[out.sequences[0, n + 1]] += 1
-        drafted_tokens += out.stats.exited_checked
+        drafted_tokens += out.stats.drafts_judged
     empirical = counts / runs
     assert drafted_tokens == runs  # every second token was a draft that the final fill verified
     assert total_variation(drafted, exact) > 0.4  # the test has power: unverified drafts would be far off

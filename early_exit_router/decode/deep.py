@@ -57,7 +57,7 @@ def deep_pass(dec: DecodeState, hidden: torch.Tensor, chunk_start: int, has_curr
         matches = logits[:, : len(checked)].argmax(dim=-1) == dec.slots.seq.index_select(1, slots)  # (b, checked)
     if cycle is not None:
         if matches is not None:
-            judge(dec, chunk_start, checked, matches.tolist())
+            judge(dec, chunk_start, checked, matches.tolist(), final=True)
         verify(dec, logits[:, len(checked) :], chunk_start + final, has_current)
         return
     _compat.trim_sliding(dec.fill.cache)
@@ -67,12 +67,12 @@ def deep_pass(dec: DecodeState, hidden: torch.Tensor, chunk_start: int, has_curr
         b, c = len(dec.rows), len(checked)
         values = (tokens if matches is None else torch.cat([matches.flatten().long(), tokens])).tolist()
         if matches is not None:  # one host sync for the verdicts and the tokens
-            judge(dec, chunk_start, checked, [values[r * c : (r + 1) * c] for r in range(b)])
+            judge(dec, chunk_start, checked, [values[r * c : (r + 1) * c] for r in range(b)], final=True)
         ids = values[-b:]
         _judge_proposals(dec, [0] * b, ids)
         append(dec, tokens, ids, dec.full_layer, row_logits)
     elif matches is not None:
-        judge(dec, chunk_start, checked, matches.tolist())
+        judge(dec, chunk_start, checked, matches.tolist(), final=True)
     for row in dec.rows:
         row.drafts.clear()
 
@@ -116,7 +116,7 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
         counts.append(count)
         verdicts.append(ok)
         picks.append(pick)
-    judge(dec, first, None, verdicts)
+    judge(dec, first, None, verdicts, final=False)
     accepted = [sum(ok) for ok in verdicts]
     active = [not row.done for row in dec.rows]
     reach = longest_prefix(accepted, active) if dec.per_row else shortest_prefix(accepted, active, n)
@@ -163,7 +163,6 @@ def _book(row: Row, logits: torch.Tensor, count: int, accepted: int) -> None:
     row.counters.rejected += int(accepted < count)
     if count:
         row.counters.verify_passes += 1
-        row.counters.accepted += accepted
         if row.request.output_logits:
             for j in range(accepted):
                 row.logits[len(row.logits) - count + j] = logits[j : j + 1].float().clone()
@@ -213,20 +212,22 @@ def _scores(dec: DecodeState, r: int, row: Row, logits: torch.Tensor, first: int
     )
 
 
-def judge(dec: DecodeState, first: int, offsets: list[int] | None, verdicts: list[list[bool]]) -> None:
-    """Book the deep pass's verdicts on each row's drafts (at `offsets` from slot `first`, default 0, 1, ...):
-    per-tier counts, acceptance estimates, the rolling monitor and the threshold controller."""
+def judge(dec: DecodeState, first: int, offsets: list[int] | None, verdicts: list[list[bool]], final: bool) -> None:
+    """Book the deep pass's verdicts on each row's drafts (at `offsets` from slot `first`, default 0, 1, ...) in the
+    acceptance estimates and per tier: on early tokens that stay `final` (exit mode's checks), whose agreement is the
+    quality the rolling monitor watches and the threshold controller steers, or on drafts a verify cycle judged."""
     seen: list[bool] = []
     for row, oks in zip(dec.rows, verdicts):
+        counts = (row.counters.checked, row.counters.agreed) if final else (row.counters.judged, row.counters.accepted)
         for offset, ok in zip(offsets if offsets is not None else range(len(oks)), oks):
             draft = row.drafts.get(first + offset)
             if draft is None:  # a finished row's padding
                 continue
             dec.tracker.observe(draft.key, bool(ok))
-            row.counters.checked[draft.tier] += 1
-            row.counters.agreed[draft.tier] += int(ok)
+            counts[0][draft.tier] += 1
+            counts[1][draft.tier] += int(ok)
             seen.append(bool(ok))
-    if seen:
+    if seen and final:
         rolling = dec.monitor.observe(seen)
         if rolling is not None:  # the controller acts on whatever history there is
             dec.rule.adjust(dec.routing, rolling)

@@ -27,9 +27,15 @@ class GenerationStats:
     new_tokens: int = 0
     exit_histogram: dict[int, int] = field(default_factory=dict)  # layer -> tokens emitted there (-1: n-gram tier)
     hit_rate: float = 0.0  # share of new tokens emitted from a shallow exit
-    agreement: float | None = None  # share of exited tokens whose deep prediction is the same token (None: none)
-    agreement_by_layer: dict[int, float] = field(default_factory=dict)
-    exited_checked: int = 0  # exited tokens the deep layers have seen (the denominator of `agreement`)
+    # Quality (exit mode): of the early tokens that stayed final, the share the full model agrees with, over the
+    # checked sample; per tier too. None where no final early token was checked (verify mode: none is final).
+    exit_agreement: float | None = None
+    exit_agreement_by_layer: dict[int, float] = field(default_factory=dict)
+    exit_checked: int = 0
+    # Speed (both modes): of the drafted tokens a verify cycle judged, the share the deep pass accepted; per tier too.
+    draft_acceptance: float | None = None
+    draft_acceptance_by_layer: dict[int, float] = field(default_factory=dict)
+    drafts_judged: int = 0
     deep_passes: int = 0  # decode-time passes through the last layer (the prompt's prefill excluded)
     mean_fill_chunk: float = 0.0  # mean positions per deep pass (1 = no exited token waited)
     forced_deep: int = 0  # deep passes forced by the window rules
@@ -49,7 +55,7 @@ class GenerationStats:
     probes: int = 0  # cost policy: plain steps that scored the exits' draft heads (shadow tokens)
     # cost policy: final per-position acceptance estimates (exit mode: "exit rate Lx", the share of tokens asked there
     # that left)
-    acceptance: dict[str, float] = field(default_factory=dict)
+    policy_estimates: dict[str, float] = field(default_factory=dict)
     asks_skipped: dict[int, int] = field(default_factory=dict)  # exit mode, cost policy: exit layer -> tokens not asked
     fallback: str | None = None  # why the decode ran plainly (no draft, no exit) where it did, else None
     mode: str = "exit"
@@ -67,7 +73,16 @@ class GenerationStats:
         hist = ", ".join(
             f"{names.get(layer, f'L{layer}')}: {count}" for layer, count in sorted(self.exit_histogram.items())
         )
-        agreement = "n/a (nothing exited)" if self.agreement is None else f"{self.agreement:.3f}"
+        quality = (
+            f"exit agreement {self.exit_agreement:.3f} over {self.exit_checked} checked final early tokens"
+            if self.exit_agreement is not None
+            else "exit agreement n/a (no final early token checked)"
+        )
+        speed = (
+            f"draft acceptance {self.draft_acceptance:.3f} over {self.drafts_judged} drafts"
+            if self.draft_acceptance is not None
+            else "no draft judged"
+        )
         return "\n".join(
             ([f"decoded plainly: {self.fallback}"] if self.fallback else [])
             + [
@@ -75,10 +90,12 @@ class GenerationStats:
                 f"({self.tokens_per_s:.1f} tok/s; decode {self.decode_tokens_per_s:.1f} tok/s; "
                 f"prefill {self.prefill_s * 1000:.0f} ms)",
                 f"exit histogram: {hist}",
-                f"hit rate {self.hit_rate:.3f}; agreement {agreement} over {self.exited_checked} exited tokens"
+                f"hit rate {self.hit_rate:.3f}; "
+                + (f"{quality}; " if self.mode != "verify" else "")
+                + speed
                 + (
                     f"; rejected drafts {self.rejected_drafts}, mean accepted length {self.mean_accepted_length:.2f}"
-                    if self.mode == "verify"
+                    if self.drafts_judged
                     else ""
                 ),
                 f"deep passes {self.deep_passes} (mean fill chunk {self.mean_fill_chunk:.2f}, "
@@ -89,7 +106,7 @@ class GenerationStats:
                 [
                     f"cost policy: cycles {', '.join(f'{k} {v}' for k, v in self.policy_cycles.items())}; "
                     f"plain share {self.plain_share:.2f}; {self.probes} probes",
-                    "acceptance estimates: " + ", ".join(f"{k} {v:.2f}" for k, v in self.acceptance.items()),
+                    "acceptance estimates: " + ", ".join(f"{k} {v:.2f}" for k, v in self.policy_estimates.items()),
                 ]
                 if self.policy_cycles
                 else []
@@ -99,7 +116,7 @@ class GenerationStats:
                     "cost policy: tokens not asked at "
                     + ", ".join(f"L{layer} {n}" for layer, n in self.asks_skipped.items())
                     + " (asking did not pay); exit-rate estimates: "
-                    + ", ".join(f"{k} {v:.2f}" for k, v in self.acceptance.items() if k.startswith("exit rate"))
+                    + ", ".join(f"{k} {v:.2f}" for k, v in self.policy_estimates.items() if k.startswith("exit rate"))
                 ]
                 if self.asks_skipped
                 else []
@@ -109,17 +126,19 @@ class GenerationStats:
 
 @dataclass
 class RowCounters:
-    """One sequence's tallies: the deep pass's verdicts on its drafts, per tier (exits, then the n-gram tier)."""
+    """One sequence's tallies of the deep pass's verdicts, per tier (exits, then the n-gram tier): on early tokens
+    that stay final (exit mode's checks: quality) and on drafts a verify cycle judged (speed)."""
 
-    checked: list[int]  # per tier: drafts the deep layers judged
+    checked: list[int]  # per tier: final early tokens the deep pass checked
     agreed: list[int]  # ... and of them, those the full model agrees with
-    rejected: int = 0  # verify mode: drafts the deep pass replaced (one per rejection)
-    accepted: int = 0  # verify mode: drafts accepted
-    verify_passes: int = 0  # verify mode: deep passes that judged at least one of this row's drafts
+    judged: list[int]  # per tier: drafts a verify cycle judged
+    accepted: list[int]  # ... and of them, those the deep pass accepted
+    rejected: int = 0  # drafts the deep pass replaced (one per rejection)
+    verify_passes: int = 0  # deep passes that judged at least one of this row's drafts
 
     @classmethod
     def for_tiers(cls, tiers: int) -> RowCounters:
-        return cls([0] * tiers, [0] * tiers)
+        return cls([0] * tiers, [0] * tiers, [0] * tiers, [0] * tiers)
 
 
 @dataclass
@@ -183,7 +202,7 @@ def row_stats(
     num_layers: int,
     tier_layers: list[int],
     threshold_shift: float,
-    acceptance: dict[str, float],
+    policy_estimates: dict[str, float],
     asks_skipped: dict[int, int],
     fallback: str | None = None,
 ) -> GenerationStats:
@@ -195,20 +214,27 @@ def row_stats(
     new = len(row.depths)
     exited = sum(c for layer, c in histogram.items() if layer != full)
     c = row.counters
-    checked = sum(c.checked)
+    checked, judged = sum(c.checked), sum(c.judged)
+    exit_agreement = sum(c.agreed) / checked if checked else None
+    exit_by_layer = {tier_layers[i]: c.agreed[i] / n for i, n in enumerate(c.checked) if n}
+    draft_acceptance = sum(c.accepted) / judged if judged else None
+    acceptance_by_layer = {tier_layers[i]: c.accepted[i] / n for i, n in enumerate(c.judged) if n}
     wall, decode_s = row.wall_s, row.wall_s - row.prefill_s
     return GenerationStats(
         new_tokens=new,
         exit_histogram=dict(sorted(histogram.items())),
         hit_rate=exited / new if new else 0.0,
-        agreement=sum(c.agreed) / checked if checked else None,
-        agreement_by_layer={tier_layers[i]: c.agreed[i] / n for i, n in enumerate(c.checked) if n},
-        exited_checked=checked,
+        exit_agreement=exit_agreement,
+        exit_agreement_by_layer=exit_by_layer,
+        exit_checked=checked,
+        draft_acceptance=draft_acceptance,
+        draft_acceptance_by_layer=acceptance_by_layer,
+        drafts_judged=judged,
         deep_passes=passes.deep_passes,
         mean_fill_chunk=passes.fill_positions / passes.deep_passes if passes.deep_passes else 0.0,
         forced_deep=passes.forced,
         rejected_drafts=c.rejected,
-        mean_accepted_length=c.accepted / c.verify_passes if c.verify_passes else 0.0,
+        mean_accepted_length=sum(c.accepted) / c.verify_passes if c.verify_passes else 0.0,
         min_rolling_agreement=monitor.minimum if checked >= monitor.window else None,
         monitor_warned=monitor.warned,
         threshold_shift=threshold_shift,
@@ -221,7 +247,7 @@ def row_stats(
         plain_share=passes.plain_steps / new if new else 0.0,
         policy_cycles=dict(sorted(passes.plan_counts.items())),
         probes=passes.probes,
-        acceptance=acceptance,
+        policy_estimates=policy_estimates,
         asks_skipped=asks_skipped,
         fallback=fallback,
         mode=mode,
@@ -237,16 +263,24 @@ def combined_stats(rows: list[GenerationStats]) -> GenerationStats:
         for layer, count in row.exit_histogram.items():
             histogram[layer] = histogram.get(layer, 0) + count
     new = sum(r.new_tokens for r in rows)
-    checked = sum(r.exited_checked for r in rows)
-    agreed = sum((r.agreement or 0.0) * r.exited_checked for r in rows)
+
+    def pooled(rate: str, count: str) -> tuple[float | None, int]:
+        total = sum(getattr(r, count) for r in rows)
+        hits = sum((getattr(r, rate) or 0.0) * getattr(r, count) for r in rows)
+        return (hits / total if total else None), total
+
+    exit_agreement, exit_checked = pooled("exit_agreement", "exit_checked")
+    acceptance, judged = pooled("draft_acceptance", "drafts_judged")
     first = rows[0]
     wall = max(r.wall_time_s for r in rows)
     return GenerationStats(
         new_tokens=new,
         exit_histogram=dict(sorted(histogram.items())),
         hit_rate=sum(r.hit_rate * r.new_tokens for r in rows) / new if new else 0.0,
-        agreement=agreed / checked if checked else None,
-        exited_checked=checked,
+        exit_agreement=exit_agreement,
+        exit_checked=exit_checked,
+        draft_acceptance=acceptance,
+        drafts_judged=judged,
         deep_passes=first.deep_passes,
         mean_fill_chunk=first.mean_fill_chunk,
         forced_deep=first.forced_deep,
@@ -259,7 +293,7 @@ def combined_stats(rows: list[GenerationStats]) -> GenerationStats:
         plain_share=sum(r.plain_share * r.new_tokens for r in rows) / new if new else 0.0,
         policy_cycles=first.policy_cycles,
         probes=first.probes,
-        acceptance=first.acceptance,
+        policy_estimates=first.policy_estimates,
         asks_skipped=first.asks_skipped,
         threshold_shift=first.threshold_shift,
         monitor_warned=any(r.monitor_warned for r in rows),
@@ -274,7 +308,7 @@ def plain_stats(new_tokens: int, wall_s: float, num_layers: int) -> GenerationSt
     passes = max(0, new_tokens - 1)
     row = RowRecord([num_layers - 1] * new_tokens, RowCounters.for_tiers(1), wall_s, 0.0)
     stats = row_stats(row, PassCounters(deep_passes=passes, fill_positions=passes), AgreementMonitor(1, 0.0),
-                      mode="plain", num_layers=num_layers, tier_layers=[-1], threshold_shift=0.0, acceptance={},
+                      mode="plain", num_layers=num_layers, tier_layers=[-1], threshold_shift=0.0, policy_estimates={},
                       asks_skipped={})  # fmt: skip
     stats.decode_tokens_per_s = 0.0  # the prefill is not timed apart
     return stats
@@ -286,7 +320,7 @@ def decode_stats(dec: Any, row: Any) -> GenerationStats:
     end = row.ended if row.ended is not None else time.perf_counter()
     record = RowRecord(row.depth[:new], row.counters, end - row.started, row.prefill_s)
     names = {"ngram": "ngram match {}", "exit": "exit L{}", "ask": "exit rate L{}"}
-    acceptance = {
+    estimates = {
         names[kind].format(index if kind == "ngram" else dec.exits[index]): round(a, 4)
         for (kind, index), a in sorted(dec.tracker.estimates.items())
     }
@@ -296,4 +330,4 @@ def decode_stats(dec: Any, row: Any) -> GenerationStats:
     }
     return row_stats(record, dec.passes, dec.monitor, mode=dec.mode, num_layers=dec.stack.num_layers,
                      tier_layers=dec.exits + [-1], threshold_shift=dec.routing.threshold_shift,  # -1: the n-gram tier
-                     acceptance=acceptance, asks_skipped=skipped, fallback=dec.fallback)  # fmt: skip
+                     policy_estimates=estimates, asks_skipped=skipped, fallback=dec.fallback)  # fmt: skip

@@ -300,7 +300,10 @@ def _routing(result: JobResult) -> dict[str, Any]:
     return {
         "mode": s.mode,
         "hit_rate": round(s.hit_rate, 4),
-        "agreement": None if s.agreement is None else round(s.agreement, 4),
+        "exit_agreement": None if s.exit_agreement is None else round(s.exit_agreement, 4),
+        "exit_checked": s.exit_checked,
+        "draft_acceptance": None if s.draft_acceptance is None else round(s.draft_acceptance, 4),
+        "drafts_judged": s.drafts_judged,
         "plain_share": round(s.plain_share, 4),
         "exit_histogram": {str(k): v for k, v in s.exit_histogram.items()},
         "tokens_per_s": round(s.tokens_per_s, 2),
@@ -352,9 +355,14 @@ class _StatsCollector:
             value=s.exited_tokens / tokens if tokens else 0.0,
         )
         yield GaugeMetricFamily(
-            "eer_agreement",
-            "Share of checked early tokens the full model agreed with",
-            value=s.agreed_tokens / s.checked_tokens if s.checked_tokens else 0.0,
+            "eer_exit_agreement",
+            "Exit mode's quality: share of checked final early tokens the full model agreed with",
+            value=s.exit_agreed / s.exit_checked if s.exit_checked else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "eer_draft_acceptance",
+            "Share of drafted tokens a verify cycle accepted",
+            value=s.drafts_accepted / s.drafts_judged if s.drafts_judged else 0.0,
         )
         yield GaugeMetricFamily(
             "eer_plain_share",

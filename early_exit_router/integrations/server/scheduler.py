@@ -176,8 +176,10 @@ class SchedulerStats:
     requests_batched: int = 0  # requests that joined a shared batch
     tokens_generated: int = 0
     exited_tokens: int = 0
-    checked_tokens: int = 0
-    agreed_tokens: float = 0.0
+    exit_checked: int = 0  # final early tokens the deep pass checked (exit mode's quality sample)
+    exit_agreed: float = 0.0
+    drafts_judged: int = 0  # drafts a verify cycle judged
+    drafts_accepted: float = 0.0
     plain_steps: float = 0.0
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))  # (time, tokens)
 
@@ -405,7 +407,9 @@ class Scheduler:
         s.requests_finished += 1
         s.tokens_generated += stats.new_tokens
         s.exited_tokens += round(stats.hit_rate * stats.new_tokens)
-        s.checked_tokens += stats.exited_checked
-        s.agreed_tokens += (stats.agreement or 0.0) * stats.exited_checked
+        s.exit_checked += stats.exit_checked
+        s.exit_agreed += (stats.exit_agreement or 0.0) * stats.exit_checked
+        s.drafts_judged += stats.drafts_judged
+        s.drafts_accepted += (stats.draft_acceptance or 0.0) * stats.drafts_judged
         s.plain_steps += stats.plain_share * stats.new_tokens
         s.recent.append((time.time(), stats.new_tokens))
