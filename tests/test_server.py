@@ -20,7 +20,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from early_exit_router import EarlyExitRouter  # noqa: E402
 from early_exit_router.integrations.server.app import ServerSettings, create_app  # noqa: E402
 from early_exit_router.integrations.server.loadtest import running_server as serving  # noqa: E402
-from early_exit_router.integrations.server.scheduler import TextTracker  # noqa: E402
+from early_exit_router.integrations.server.text import TextTracker  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 MODEL = "smollm2-135m"
@@ -316,3 +316,24 @@ def test_loadtest_checks_every_response_against_the_request_run_alone(smol):
     assert [a.requests for a in result.arms] == [2, 2, 2]
     assert all(a.completion_tokens > 0 and a.tokens_per_s > 0 for a in result.arms)
     assert "routing off" in result.markdown()
+
+
+def test_a_request_whose_exits_stopped_says_so_in_its_block_and_in_the_metrics():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from early_exit_router.decode.stats import GenerationStats
+    from early_exit_router.integrations.server.app import _routing, _StatsCollector
+    from early_exit_router.integrations.server.scheduler import JobResult, SchedulerStats
+
+    why = "no threshold held target_agreement 0.95 (disagreement 0.2-0.4 over 40 checks)"
+    stopped = GenerationStats(mode="exit", new_tokens=20, exit_checked=40, exit_agreement=0.7, exits_suspended=why)
+    assert _routing(JobResult("", [], "length", 3, stopped))["exits_suspended"] == why
+    assert _routing(JobResult("", [], "length", 3, GenerationStats(mode="exit")))["exits_suspended"] is None
+    counters = SchedulerStats()
+    counters.count_finished(stopped)
+    counters.count_finished(GenerationStats(mode="exit", new_tokens=5))
+    registry = CollectorRegistry()
+    registry.register(_StatsCollector(SimpleNamespace(stats=counters)))
+    assert "eer_exits_suspended_requests_total 1.0" in generate_latest(registry).decode()

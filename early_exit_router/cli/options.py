@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import json
 from typing import Any
 
 from early_exit_router.config import ADAPTER_KINDS, BATCH_DESIGNS, MODES, POLICIES, RouterConfig
+from early_exit_router.models.loading import DEFAULT_MODEL
 
 CHOICES = {"mode": MODES, "adapter": ADAPTER_KINDS, "policy": POLICIES, "batch_design": BATCH_DESIGNS}
 DEFAULT_PROMPT = "List the seven days of the week as a numbered list, one per line, nothing else."
@@ -23,18 +26,27 @@ INTERNAL_FIELDS = {"heads_trained"}  # set by training, not by hand
 
 def add_router_options(parser: argparse.ArgumentParser) -> None:
     """One --option per RouterConfig field, grouped as the config groups them, with the field's own help text.
-    Unset options keep the saved (or built-in) values."""
+    Unset options keep the saved (or built-in) values. A command's own option of the same name (calibrate's and
+    train-heads' --target-agreement) keeps its meaning there and is not read as a router override: add the
+    command's options first."""
     fields = {f.name: f for f in dataclasses.fields(RouterConfig)}
+    added = []
     for group_name, names in RouterConfig.groups().items():
         group = parser.add_argument_group(f"{ROUTER_GROUP_TITLES[group_name]} (default: the saved or built-in value)")
         for name in names:
-            if name not in INTERNAL_FIELDS:
+            if name not in INTERNAL_FIELDS and _flag(name) not in parser._option_string_actions:
                 _add_field(group, fields[name])
+                added.append(name)
+    parser.set_defaults(router_fields=tuple(added))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
-    flag = "--" + f.name.replace("_", "-")
-    help_text = f"{f.metadata['help']} (built-in default: {f.default!r})"
+    flag = _flag(f.name)
+    help_text = f"{f.metadata['help']} ({_default_note(f)})"
     if f.name in ("exit_layers", "active_exit_layers"):
         group.add_argument(flag, type=int_list, default=None, metavar="E1,E2", help=help_text)
     elif f.name == "exit_adapters":
@@ -47,6 +59,32 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
         kind = int if isinstance(f.default, int) and not isinstance(f.default, bool) else float
         kind = str if isinstance(f.default, str) else kind
         group.add_argument(flag, type=kind, default=None, help=help_text)
+
+
+def _default_note(f: dataclasses.Field) -> str:
+    """What applies when the option is not given. A saved router's value does: say so where the default model's
+    shipped heads differ from the built-in value (they run in verify mode, the built-in default is exit)."""
+    shipped = shipped_router_config()
+    if f.name in shipped and shipped[f.name] != f.default:
+        return (
+            f"default: the loaded router's saved value, {shipped[f.name]!r} with the shipped {DEFAULT_MODEL} heads; "
+            f"{f.default!r} for fresh heads"
+        )
+    return f"built-in default: {f.default!r}"
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_router_config() -> dict[str, Any]:
+    """The routing config saved with the default model's shipped heads (its JSON only: cheap), or {} without them."""
+    from early_exit_router.heads.checkpoint import CONFIG_NAME, shipped_checkpoint
+
+    folder = shipped_checkpoint(DEFAULT_MODEL)
+    if folder is None:
+        return {}
+    try:
+        return dict(json.loads((folder / CONFIG_NAME).read_text()).get("router_config") or {})
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def add_load_options(parser: argparse.ArgumentParser) -> None:
@@ -65,11 +103,9 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
 
 
 def router_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(RouterConfig)
-        if getattr(args, f.name, None) is not None
-    }
+    """The router options given on the command line (those add_router_options added), by config field."""
+    names = getattr(args, "router_fields", [f.name for f in dataclasses.fields(RouterConfig)])
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def int_list(text: str) -> list[int]:

@@ -25,7 +25,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     server.add_argument(
         "--api-key",
         default=os.environ.get("EER_API_KEY"),
-        help="Require 'Authorization: Bearer KEY' (default: $EER_API_KEY).",
+        help="Require 'Authorization: Bearer KEY' on every path but /health (default: $EER_API_KEY).",
+    )
+    server.add_argument(
+        "--metrics-auth",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="With --api-key, /metrics needs the key too (default: on; --no-metrics-auth leaves it open to a "
+        "scraper without the key: it shows load and routing statistics, never request text).",
+    )
+    server.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="Larger request bodies are refused with 413 before they are read (default: 4194304, 4 MiB).",
     )
     server.add_argument("--max-queue", type=int, default=64, help="Requests that may wait (default: 64).")
     server.add_argument(
@@ -54,11 +67,12 @@ def run(args: argparse.Namespace) -> int:
     router = EarlyExitRouter.from_pretrained(
         args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **router_overrides(args)
     )
-    if router.config.policy == "cost":
-        router.costs()  # measured (or loaded) before the first request, not inside it
-    settings = ServerSettings(
+    limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+    settings = ServerSettings(  # the app measures (or loads) the cost table at start-up, before any request
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or None,
+        metrics_require_key=args.metrics_auth,
+        **limit,
         max_queue=args.max_queue,
         max_running=args.max_running,
         default_max_tokens=args.default_max_tokens,

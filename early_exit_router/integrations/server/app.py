@@ -1,16 +1,19 @@
 """`early-exit-router serve`: an OpenAI-compatible HTTP server over one router (FastAPI + uvicorn).
 
-Endpoints: `/v1/completions` and `/v1/chat/completions` (with SSE streaming), `/v1/models`, `/health`, and
-`/metrics` in the Prometheus text format. Requests go through `Scheduler` (a bounded queue and one worker thread);
-a full queue answers 503 with `Retry-After`. A client that disconnects cancels its request. Every error is an
-OpenAI-style body with a 4xx or 5xx status, and the server keeps serving the others.
+Endpoints: `/v1/completions` and `/v1/chat/completions` (with SSE streaming), `/v1/models` and `/v1/models/{id}`,
+`/health`, and `/metrics` in the Prometheus text format. Requests go through `Scheduler` (a bounded queue and one
+worker thread); a full queue answers 503 with `Retry-After`. A client that disconnects cancels its request. Every
+error is an OpenAI-style body with a 4xx or 5xx status (`errors.py`), and the server keeps serving the others.
+
+Before a request is parsed, `guards.py` checks its API key (401) and bounds its body (413). Prompts are tokenized
+off the event loop (`encoding.py`: chat messages cannot forge the template's turn markers). The cost table the
+policy decides from is measured (or loaded) at start-up, before the first request is accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,15 +22,21 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from early_exit_router.decode.sampling import SamplingParams
+from early_exit_router.integrations.server import encoding
+from early_exit_router.integrations.server.errors import ApiError, install_error_handlers
+from early_exit_router.integrations.server.guards import ApiKeyGuard, BodyLimit
 from early_exit_router.integrations.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from early_exit_router.integrations.server.scheduler import Job, JobResult, QueueFull, Scheduler
+
+__all__ = ["ApiError", "ServerSettings", "create_app"]
+
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # far above any prompt a model's context holds, far below what stalls the server
 
 
 @dataclass
@@ -35,63 +44,49 @@ class ServerSettings:
     """What `serve` is started with."""
 
     model_name: str
-    api_key: str | None = None  # when set, every /v1 request needs `Authorization: Bearer <key>`
+    api_key: str | None = None  # when set, every path but /health needs `Authorization: Bearer <key>`
+    metrics_require_key: bool = True  # /metrics needs the key too (when one is set); False leaves it open
     max_queue: int = 64
     max_running: int = 8
     default_max_tokens: int = 256  # chat requests without max_tokens
+    max_request_bytes: int = MAX_REQUEST_BYTES  # larger bodies are refused with 413 before they are read
     retry_after_s: int = 1
     routing_overrides: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields for every request
     batching: bool = True  # share one batch per mode among requests that can (see scheduler.py)
-
-
-class ApiError(Exception):
-    """A request the server refuses: becomes an OpenAI-style error body."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
 
 def create_app(router: Any, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving `router`. Its scheduler starts with the app and stops with it."""
     if router.tokenizer is None:
         raise ValueError("The server needs a tokenizer: build the router with one.")
+    if settings.max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {settings.max_request_bytes}.")
     base = router.call_config(settings.routing_overrides or None)
     scheduler = Scheduler(router, settings.max_queue, settings.max_running, settings.batching, base)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # uvicorn accepts connections only after this: the cost table (measured once per model and machine, then
+        # cached on disk) is ready before any request. It covers every chunk length whatever a request's
+        # max_pending, and no request may change the draft vocabulary it is keyed by, so no request measures.
         try:
+            with router.lock:
+                router.costs(config=base)
             yield
         finally:
             scheduler.shutdown()
 
     app = FastAPI(title="early-exit-router", version=_version(), lifespan=lifespan)
     app.state.scheduler = scheduler
+    install_error_handlers(app, settings.retry_after_s)
+    # The last added runs first: the key is checked before a byte of the body is read.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        open_paths = {"/health"} | (set() if settings.metrics_require_key else {"/metrics"})
+        app.add_middleware(ApiKeyGuard, key=settings.api_key, open_paths=frozenset(open_paths))
     registry = _registry(scheduler)
     started = time.time()
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        headers = {"Retry-After": str(settings.retry_after_s)} if error.status in (429, 503) else None
-        body = error_body(error.message, error.kind, error.param, error.code)
-        return JSONResponse(body, status_code=error.status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = "The request body is not valid JSON."
-        return JSONResponse(error_body(message, param=where), status_code=400)
-
-    def check_auth(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
-            raise ApiError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.", "authentication_error")
+    card = {"id": settings.model_name, "object": "model", "created": int(started), "owned_by": "early-exit-router"}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -102,36 +97,41 @@ def create_app(router: Any, settings: ServerSettings) -> FastAPI:
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        check_auth(request)
-        card = {"id": settings.model_name, "object": "model", "created": int(started), "owned_by": "early-exit-router"}
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # ids may hold slashes (a served HF name)
+    async def model(model_id: str) -> dict[str, Any]:
+        _check_model(settings, model_id, param=None)
+        return card
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        check_auth(request)
+        _check_model(settings, body.model)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            vocab = router.stack.vocab_size
+            if not all(0 <= p < vocab for p in prompt):  # before a tensor: an int beyond int64 would not fit one
+                raise ApiError(400, f"Token ids must lie in [0, {vocab}).", param="prompt")
             ids = torch.tensor([prompt], dtype=torch.long)
         elif isinstance(prompt, list):
             if len(prompt) != 1:
                 raise ApiError(
                     400, "Send one prompt per request (batches of prompts are not supported).", param="prompt"
                 )
-            ids = router.tokenizer(prompt[0], return_tensors="pt").input_ids
+            ids = await asyncio.to_thread(encoding.encode_text, router.tokenizer, prompt[0])
         else:
-            ids = router.tokenizer(prompt, return_tensors="pt").input_ids
+            ids = await asyncio.to_thread(encoding.encode_text, router.tokenizer, prompt)
         job = _job(router, settings, body, ids, body.max_tokens)
         return await _respond(request, scheduler, settings, job, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        check_auth(request)
+        _check_model(settings, body.model)
         if not getattr(router.tokenizer, "chat_template", None):
             raise ApiError(400, "This model's tokenizer has no chat template: use /v1/completions.")
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
-        encoded = router.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-        ids = encoded if torch.is_tensor(encoded) else encoded["input_ids"]
+        ids = await asyncio.to_thread(encoding.encode_chat, router.tokenizer, messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = _job(router, settings, body, ids, max_tokens)
         return await _respond(request, scheduler, settings, job, body, chat=True)
@@ -139,15 +139,19 @@ def create_app(router: Any, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _job(router: Any, settings: ServerSettings, body: Any, ids: torch.Tensor, max_tokens: int | None) -> Job:
-    """Validate a request against the model and build its job."""
-    if body.model != settings.model_name:
+def _check_model(settings: ServerSettings, name: str, param: str | None = "model") -> None:
+    """404 for a model this server does not serve (checked before any tokenizing)."""
+    if name != settings.model_name:
         raise ApiError(
             404,
-            f"The model {body.model!r} does not exist: this server serves {settings.model_name!r}.",
-            param="model",
+            f"The model {name!r} does not exist: this server serves {settings.model_name!r}.",
+            param=param,
             code="model_not_found",
         )
+
+
+def _job(router: Any, settings: ServerSettings, body: Any, ids: torch.Tensor, max_tokens: int | None) -> Job:
+    """Validate a request against the model and build its job."""
     unsupported = body.unsupported()
     if unsupported:
         raise ApiError(400, f"Not supported by this server: {', '.join(unsupported)}.", param=unsupported[0])
@@ -194,6 +198,8 @@ async def _respond(
         scheduler.submit(job)
     except QueueFull as full:
         raise ApiError(503, f"The server is busy ({full}); retry shortly.", "server_error", code="overloaded") from None
+    except RuntimeError as stopped:  # shutting down
+        raise ApiError(503, f"{stopped} Retry shortly.", "server_error", code="unavailable") from None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventSourceResponse(_stream(request, job, settings, chat, include_usage))
@@ -304,6 +310,7 @@ def _routing(result: JobResult) -> dict[str, Any]:
         "exit_checked": s.exit_checked,
         "draft_acceptance": None if s.draft_acceptance is None else round(s.draft_acceptance, 4),
         "drafts_judged": s.drafts_judged,
+        "exits_suspended": s.exits_suspended,
         "plain_share": round(s.plain_share, 4),
         "exit_histogram": {str(k): v for k, v in s.exit_histogram.items()},
         "tokens_per_s": round(s.tokens_per_s, 2),
@@ -344,6 +351,11 @@ class _StatsCollector:
         yield CounterMetricFamily(
             "eer_batched_requests", "Requests that joined a shared batch", value=s.requests_batched
         )
+        yield CounterMetricFamily(
+            "eer_restarted_requests",
+            "Batch members restarted on their own after their batch failed",
+            value=s.requests_restarted,
+        )
         yield CounterMetricFamily("eer_generated_tokens", "Tokens generated", value=s.tokens_generated)
         yield GaugeMetricFamily(
             "eer_tokens_per_second", "Generated tokens/s over the last minute", value=s.tokens_per_s()
@@ -358,6 +370,11 @@ class _StatsCollector:
             "eer_exit_agreement",
             "Exit mode's quality: share of checked final early tokens the full model agreed with",
             value=s.exit_agreed / s.exit_checked if s.exit_checked else 0.0,
+        )
+        yield CounterMetricFamily(
+            "eer_exits_suspended_requests",
+            "Exit-mode requests whose exits stopped because no threshold held target_agreement",
+            value=s.requests_exits_suspended,
         )
         yield GaugeMetricFamily(
             "eer_draft_acceptance",

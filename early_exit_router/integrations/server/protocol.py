@@ -3,13 +3,17 @@
 Fields the OpenAI API defines but this server does not implement (several choices, log-probabilities, penalties,
 echo, tools) are refused with a 400 that names them, rather than silently ignored. `early_exit` is this server's
 extension: per-request routing (mode and thresholds), passed by the `openai` client as `extra_body`.
+
+Types are strict (`max_tokens: "8"` or `use_gate: "yes"` is refused, not coerced), floats must be finite (JSON's
+`NaN` and `Infinity` are refused for every float), text must be valid Unicode (a lone surrogate such as `"\\ud800"`
+is refused before it reaches the tokenizer), and `seed` must fit a signed 64-bit integer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 # Router fields a request may set for itself; everything else stays the server's (heads, exits, cost model).
 REQUEST_ROUTING_FIELDS = (
@@ -23,12 +27,30 @@ REQUEST_ROUTING_FIELDS = (
     "policy",
     "check_fraction",
 )
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as OpenAI documents `seed` (torch takes no wider)
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # no coercion of "8" to 8, no NaN or infinity
+
+
+def _valid_unicode(text: str) -> str:
+    """Text the tokenizer can take: JSON may carry a lone surrogate (`"\\ud800"`), which is no character at all."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = text[error.start]
+        raise ValueError(
+            f"the text holds a lone surrogate (\\u{ord(bad):04x} at character {error.start}), which is not valid "
+            "Unicode: send UTF-8 text, with every \\ud800-\\udbff escape followed by its \\udc00-\\udfff pair"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class EarlyExitOptions(BaseModel):
     """Per-request routing: the mode, and any of `REQUEST_ROUTING_FIELDS`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**STRICT, extra="forbid")
 
     mode: Literal["exit", "verify"] | None = None
     high_conf_threshold: float | None = Field(None, ge=0.0, le=1.0)
@@ -47,13 +69,15 @@ class EarlyExitOptions(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are checked in `unsupported`, not by pydantic
+    model_config = ConfigDict(**STRICT, extra="allow")  # unknown fields are checked in `unsupported`, not by pydantic
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -61,7 +85,7 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -75,6 +99,15 @@ class _Common(BaseModel):
         stops = [value] if isinstance(value, str) else (value or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes at most 4 non-empty strings")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, value: int | None) -> int | None:
+        # torch's generators take no wider seed: out of range, it would fail inside the worker, not here
+        low, high = SEED_RANGE
+        if value is not None and not low <= value <= high:
+            raise ValueError(f"seed must be a signed 64-bit integer, in [{low}, {high}]; got {value}")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -93,7 +126,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: Text | list[Text] | list[int]
     max_tokens: int | None = Field(16, ge=1)  # the OpenAI default for completions
     echo: bool = False
 
@@ -104,22 +137,38 @@ class CompletionRequest(_Common):
         return names
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content: text parts are read, other types are refused (see `unsupported`)."""
+
+    model_config = ConfigDict(**STRICT, extra="allow")
+
+    type: str
+    text: Text | None = None
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(**STRICT, extra="allow")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    content: Text | list[ContentPart]
+
+    @field_validator("content")
+    @classmethod
+    def _check_text_parts(cls, value: str | list[ContentPart]) -> str | list[ContentPart]:
+        if not isinstance(value, str) and any(p.type == "text" and p.text is None for p in value):
+            raise ValueError("a content part of type 'text' needs a 'text' string")
+        return value
 
     def text(self) -> str:
         """The message's text: a string, or its text parts joined (other part types are refused upstream)."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.get("text", "") for part in self.content)
+        return "".join(part.text or "" for part in self.content if part.type == "text")
 
     def non_text_parts(self) -> list[str]:
         if isinstance(self.content, str):
             return []
-        return [str(part.get("type")) for part in self.content if part.get("type") != "text"]
+        return [part.type for part in self.content if part.type != "text"]
 
 
 class ChatCompletionRequest(_Common):
@@ -131,6 +180,14 @@ class ChatCompletionRequest(_Common):
         names = super().unsupported()
         names += [f"messages[].content type {t!r}" for m in self.messages for t in m.non_text_parts()]
         return names
+
+
+# What a field that takes several shapes takes, for the message when a value matches none of them.
+SHAPES = {
+    "prompt": "a string, a list of one string, or a list of token ids (integers)",
+    "content": "a string or a list of content parts ({'type': 'text', 'text': ...})",
+    "stop": "a string or a list of at most 4 strings",
+}
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):

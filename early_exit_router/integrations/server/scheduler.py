@@ -10,12 +10,19 @@ The worker is the only thread that touches the model; it holds `router.lock` aro
 `router.generate` calls from other threads are served between steps and never interleave inside one. HTTP handlers
 talk to it through `Job` objects: the worker reports text and the final result to the job's asyncio queue with
 `loop.call_soon_threadsafe`, and reads the job's cancel flag before every step.
+
+One failing request never fails or strands another, and every request gets an answer. A failure that belongs to one
+request (preparing it, prefilling it, stepping its own decoder, finishing it) answers that request with an error and
+counts it as failed. A failure that may have left a shared batch half-changed (a newcomer joining, a batch step,
+rows leaving) breaks the batch up: each member restarts on a decoder of its own from its prompt and the tokens it
+has been sent, and generates the rest; the request that failed fails again there, alone, and the others finish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 import time
 import uuid
@@ -30,6 +37,7 @@ from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.state import Row
 from early_exit_router.decode.stats import GenerationStats
 from early_exit_router.decode.stopping import DecodeRequest
+from early_exit_router.integrations.server.text import TextTracker
 from early_exit_router.models import _compat
 
 
@@ -69,63 +77,6 @@ class JobResult:
     stats: GenerationStats
 
 
-class TextTracker:
-    """Turns the verified token ids of one request into text pieces that are safe to send.
-
-    Detokenises the whole continuation each time (a token may complete a multi-byte character or change how the
-    previous one decodes), holds back a trailing replacement character, and holds back any tail that could still
-    become a stop string, so a stop string never reaches the client, not even in part."""
-
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.ids: list[int] = []
-        self.sent = 0  # characters already handed out
-        self.stopped_at: int | None = None  # character index of the first stop string, once seen
-
-    def add(self, token_ids: list[int]) -> str:
-        """Record newly verified tokens; return the text that may be sent now."""
-        self.ids.extend(token_ids)
-        return self._release(final=False)
-
-    def finish(self) -> str:
-        """The rest of the text, at the end of the request."""
-        return self._release(final=True)
-
-    @property
-    def text(self) -> str:
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return full if self.stopped_at is None else full[: self.stopped_at]
-
-    def _release(self, final: bool) -> str:
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if self.stopped_at is None:
-            hits = [i for i in (full.find(s) for s in self.stop) if i >= 0]
-            if hits:
-                self.stopped_at = min(hits)
-        end = len(full) if self.stopped_at is None else self.stopped_at
-        if not final and self.stopped_at is None:
-            if full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for its other bytes
-                end = len(full) - 1
-            end -= _stop_prefix_overlap(full[:end], self.stop)
-        if end <= self.sent:
-            return ""
-        piece = full[self.sent : end]
-        self.sent = end
-        return piece
-
-
-def _stop_prefix_overlap(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
 class _JobStreamer:
     """The decoder's streamer for one job: receives verified token ids, forwards safe text to the job."""
 
@@ -150,12 +101,14 @@ class _Running:
     job: Job
     decoder: Decoder
     tracker: TextTracker
+    sent: list[int] = field(default_factory=list)  # tokens sent before a restart: the decoder's prompt ends with them
 
 
 @dataclass(eq=False)
 class _Group:
     """The batch of one mode, its members and the jobs waiting to join it."""
 
+    key: tuple[str, bool]  # (mode, per row)
     batch: Decoder
     members: list[tuple[Row, Job, TextTracker]] = field(default_factory=list)
     joining: collections.deque = field(default_factory=collections.deque)
@@ -174,14 +127,29 @@ class SchedulerStats:
     requests_failed: int = 0
     requests_rejected: int = 0
     requests_batched: int = 0  # requests that joined a shared batch
+    requests_restarted: int = 0  # batch members restarted on their own after their batch failed
     tokens_generated: int = 0
     exited_tokens: int = 0
     exit_checked: int = 0  # final early tokens the deep pass checked (exit mode's quality sample)
     exit_agreed: float = 0.0
+    requests_exits_suspended: int = 0  # exit-mode requests whose exits stopped (no threshold held the target)
     drafts_judged: int = 0  # drafts a verify cycle judged
     drafts_accepted: float = 0.0
     plain_steps: float = 0.0
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))  # (time, tokens)
+
+    def count_finished(self, stats: GenerationStats) -> None:
+        """Add a finished request and its routing statistics."""
+        self.requests_finished += 1
+        self.tokens_generated += stats.new_tokens
+        self.exited_tokens += round(stats.hit_rate * stats.new_tokens)
+        self.exit_checked += stats.exit_checked
+        self.exit_agreed += (stats.exit_agreement or 0.0) * stats.exit_checked
+        self.requests_exits_suspended += stats.exits_suspended is not None
+        self.drafts_judged += stats.drafts_judged
+        self.drafts_accepted += (stats.draft_acceptance or 0.0) * stats.drafts_judged
+        self.plain_steps += stats.plain_share * stats.new_tokens
+        self.recent.append((time.time(), stats.new_tokens))
 
     def tokens_per_s(self, window_s: float = 60.0) -> float:
         """Generated tokens per second over the last `window_s` seconds."""
@@ -250,36 +218,67 @@ class Scheduler:
 
     def emit(self, job: Job, event: tuple[str, Any]) -> None:
         if job.loop is not None and job.events is not None and not job.loop.is_closed():
-            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting any more
+                job.loop.call_soon_threadsafe(job.events.put_nowait, event)
 
     # --------------------------------------------------------------------------------------------- the worker
     def _work(self) -> None:
         while True:
-            with self._cond:
-                while not self._stop and not self._waiting and not self.running:
-                    self._cond.wait()
-                if self._stop:
+            try:
+                if not self._round():
                     break
-                admitted = []
-                while self._waiting and self.running + len(admitted) < self.max_running:
-                    admitted.append(self._waiting.popleft())
-            for job in admitted:
-                if self._batchable(job):
-                    self._group(job).joining.append(job)
-                else:
-                    self._admit(job)
-            # One batched step per mode. Empty groups stay: their batch keeps what it learnt about its exits.
-            for group in list(self._groups.values()):
-                if group.size:
-                    self._step_group(group)
-            for run in list(self._running):  # one step each, in turn
-                self._advance(run)
+            except Exception as crash:  # a bug of the scheduler's own: answer what is in flight, and serve on
+                error = RuntimeError(f"The scheduler failed ({type(crash).__name__}: {crash}); retry the request.")
+                for job in self._in_flight():
+                    self._fail(job, error)
+                self._running.clear()
+                self._groups.clear()
         stopping = RuntimeError("The server is shutting down.")
-        for job in [r.job for r in self._running] + list(self._waiting):
+        for job in self._in_flight() + list(self._waiting):
             self.emit(job, ("error", stopping))
+
+    def _in_flight(self) -> list[Job]:
+        """Every job the worker holds: running on its own, in a batch, or waiting to join one."""
+        jobs = [r.job for r in self._running]
         for group in self._groups.values():
-            for job in [m[1] for m in group.members] + list(group.joining):
-                self.emit(job, ("error", stopping))
+            jobs += [m[1] for m in group.members] + list(group.joining)
+        return jobs
+
+    def _round(self) -> bool:
+        """Admit waiting jobs, step each batch once and each request on its own decoder once; False once stopped."""
+        with self._cond:
+            while not self._stop and not self._waiting and not self.running:
+                self._cond.wait()
+            if self._stop:
+                return False
+            admitted = []
+            while self._waiting and self.running + len(admitted) < self.max_running:
+                admitted.append(self._waiting.popleft())
+        for job in admitted:
+            self._place(job)
+        # One batched step per mode. Empty groups stay: their batch keeps what it learnt about its exits.
+        for group in list(self._groups.values()):
+            if group.size:
+                self._step_group(group)
+        for run in list(self._running):  # one step each, in turn
+            self._advance(run)
+        return True
+
+    def _place(self, job: Job) -> None:
+        """Queue the job for its mode's batch, or start it on a decoder of its own."""
+        try:
+            if self._batchable(job):
+                self._group(job).joining.append(job)
+                return
+        except Exception as error:  # building its mode's batch failed: this job's answer, the worker goes on
+            self._fail(job, error)
+            return
+        self._admit(job)
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        """Answer one request with its error and count it."""
+        self.stats.requests_failed += 1
+        self.emit(job, ("error", error))
 
     def _batchable(self, job: Job) -> bool:
         """Whether the job may share a batch: the server's routing (greedy or sampled: verify-mode sampling joins a
@@ -294,10 +293,13 @@ class Scheduler:
         key = (job.mode, sampling)
         group = self._groups.get(key)
         if group is None:
-            with self.router.lock:
-                batch = self.router.decoder(self.base_config, job.mode, batch=True, sampling=sampling)
-            group = self._groups[key] = _Group(batch)
+            group = self._groups[key] = _Group(key, self._new_batch(key))
         return group
+
+    def _new_batch(self, key: tuple[str, bool]) -> Decoder:
+        mode, sampling = key
+        with self.router.lock:
+            return self.router.decoder(self.base_config, mode, batch=True, sampling=sampling)
 
     @property
     def _eos(self) -> frozenset[int]:
@@ -305,67 +307,121 @@ class Scheduler:
 
     def _step_group(self, group: _Group) -> None:
         """Let waiting jobs join where no drafts wait, step the batch once, and retire finished or cancelled rows."""
-        batch = group.batch
-        try:
-            with self.router.lock:
-                while group.joining and batch.can_join():
-                    job = group.joining.popleft()
-                    if job.cancelled.is_set():
-                        self.stats.requests_cancelled += 1
-                        continue
-                    tracker, request = self._decode_request(job)
-                    row = batch.join(job.input_ids, request, TokenSelector(job.params, self.router.stack.device))
-                    group.members.append((row, job, tracker))
-                    self.stats.requests_batched += 1
-                if batch.rows:
-                    batch.step()
-                leaving = []
-                for member in list(group.members):
-                    row, job, tracker = member
-                    if job.cancelled.is_set():
-                        self.stats.requests_cancelled += 1
-                    elif row.done:
-                        self._finish(job, tracker, row.output(), batch.stats(row))
-                    else:
-                        continue
-                    leaving.append(row)
-                    group.members.remove(member)
-                batch.remove(leaving)
-        except Exception as error:  # a failed step fails its batch's requests, never the worker
-            for job in [m[1] for m in group.members] + list(group.joining):
-                self.stats.requests_failed += 1
-                self.emit(job, ("error", error))
-            group.members.clear()
-            group.joining.clear()
-            group.batch.reset()
+        with self.router.lock:
+            self._join(group)
+            try:
+                group.batch.step()  # nothing without rows
+            except Exception:  # which row failed is unknown, and the shared state may be half-changed
+                self._break_up(group)
+                return
+            self._retire(group)
 
-    def _decode_request(self, job: Job) -> tuple[TextTracker, DecodeRequest]:
-        """The decoder's request for a job, streaming through a text tracker to the job's queue."""
-        tracker = TextTracker(self.router.tokenizer, job.stop)
-        request = DecodeRequest(
-            max_new_tokens=job.max_new_tokens,
+    def _join(self, group: _Group) -> None:
+        while group.joining and group.batch.can_join():
+            job = group.joining.popleft()
+            if job.cancelled.is_set():
+                self.stats.requests_cancelled += 1
+                continue
+            try:  # this request's own parts (a seed torch refuses fails here): the batch is untouched
+                tracker = TextTracker(self.router.tokenizer, job.stop)
+                request = self._decode_request(job, tracker, job.max_new_tokens)
+                selector = TokenSelector(job.params, self.router.stack.device)
+            except Exception as error:
+                self._fail(job, error)
+                continue
+            try:
+                row = group.batch.join(job.input_ids, request, selector)
+            except Exception as error:  # its prefill, or its merge into the batch, which may be half done
+                self._fail(job, error)
+                self._break_up(group)
+                continue
+            group.members.append((row, job, tracker))
+            self.stats.requests_batched += 1
+
+    def _retire(self, group: _Group) -> None:
+        """Finished and cancelled rows leave the batch."""
+        leaving = []
+        for member in list(group.members):
+            row, job, tracker = member
+            if job.cancelled.is_set():
+                self.stats.requests_cancelled += 1
+            elif row.done:
+                try:
+                    self._finish(job, tracker, row.output(), group.batch.stats(row))
+                except Exception as error:  # this request's text or statistics: its answer alone
+                    self._fail(job, error)
+            else:
+                continue
+            leaving.append(row)
+            group.members.remove(member)
+        try:
+            group.batch.remove(leaving)
+        except Exception:
+            self._break_up(group)
+
+    def _break_up(self, group: _Group) -> None:
+        """The batch's shared state may be half-changed: start a fresh batch for the mode, and restart each member
+        on a decoder of its own from the tokens it has been sent."""
+        members, group.members = group.members, []
+        group.batch.reset()  # drop its rows, whatever state they are in
+        try:
+            group.batch = self._new_batch(group.key)
+        except Exception as error:  # no batch for this mode now: its waiting jobs fail, the next job tries again
+            self._groups.pop(group.key, None)
+            while group.joining:
+                self._fail(group.joining.popleft(), error)
+        for _, job, tracker in members:
+            self.stats.requests_restarted += 1
+            self._restart_alone(job, tracker)
+
+    def _restart_alone(self, job: Job, tracker: TextTracker) -> None:
+        """Continue a member of a broken batch alone: its prompt and the tokens it was sent are prefilled, and it
+        generates the rest. (Seeded sampling starts its generator again; the response's `early_exit` block covers
+        the part decoded after the restart.)"""
+        if job.cancelled.is_set():
+            self.stats.requests_cancelled += 1
+            return
+        sent = list(tracker.ids)
+        if len(sent) >= job.max_new_tokens or tracker.stopped_at is not None or (sent and sent[-1] in self._eos):
+            try:  # nothing left to generate
+                stats = GenerationStats(new_tokens=len(sent), mode=job.mode, num_layers=self.router.stack.num_layers)
+                self._finish(job, tracker, sent, stats)
+            except Exception as error:
+                self._fail(job, error)
+            return
+        self._admit(job, tracker, sent)
+
+    def _decode_request(self, job: Job, tracker: TextTracker, max_new_tokens: int) -> DecodeRequest:
+        """The decoder's request for a job, streaming through its text tracker to the job's queue."""
+        return DecodeRequest(
+            max_new_tokens=max_new_tokens,
             eos_token_ids=self._eos,
             stop_strings=job.stop,
             streamer=_JobStreamer(job, tracker, self),
             tokenizer=self.router.tokenizer,
         )
-        return tracker, request
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, job: Job, tracker: TextTracker | None = None, sent: list[int] | None = None) -> None:
+        """Start the job on a one-sequence decoder of its own; `sent`: tokens it was sent before a restart (they
+        follow its prompt, and count against its max_new_tokens)."""
         if job.cancelled.is_set():
             self.stats.requests_cancelled += 1
             return
-        tracker, request = self._decode_request(job)
+        sent = sent or []
         try:
+            tracker = tracker or TextTracker(self.router.tokenizer, job.stop)
+            request = self._decode_request(job, tracker, job.max_new_tokens - len(sent))
+            ids = job.input_ids
+            if sent:
+                ids = torch.cat([ids, torch.tensor([sent], dtype=ids.dtype, device=ids.device)], dim=1)
             with self.router.lock:
                 decoder = self.router.decoder(job.config, job.mode)
                 selector = TokenSelector(job.params, self.router.stack.device, None)
-                decoder.prefill(job.input_ids, torch.ones_like(job.input_ids), [request], [selector])
+                decoder.prefill(ids, torch.ones_like(ids), [request], [selector])
         except Exception as error:  # a failure of one request must not stop the worker
-            self.stats.requests_failed += 1
-            self.emit(job, ("error", error))
+            self._fail(job, error)
             return
-        self._running.append(_Running(job, decoder, tracker))
+        self._running.append(_Running(job, decoder, tracker, sent))
 
     def _advance(self, run: _Running) -> None:
         if run.job.cancelled.is_set():
@@ -380,14 +436,13 @@ class Scheduler:
                     return
                 run.decoder.finish()
                 row = run.decoder.rows[0]
-                new_ids, stats = row.output(), run.decoder.stats(row)
-        except Exception as error:  # a failure of one request must not stop the worker
+                new_ids, stats = run.sent + row.output(), run.decoder.stats(row)
             self._running.remove(run)
-            self.stats.requests_failed += 1
-            self.emit(run.job, ("error", error))
-            return
-        self._running.remove(run)
-        self._finish(run.job, run.tracker, new_ids, stats)
+            self._finish(run.job, run.tracker, new_ids, stats)
+        except Exception as error:  # a failure of one request must not stop the worker
+            if run in self._running:
+                self._running.remove(run)
+            self._fail(run.job, error)
 
     def _finish(self, job: Job, tracker: TextTracker, new_ids: list[int], stats: GenerationStats) -> None:
         """Send a finished request its remaining text and its result."""
@@ -399,17 +454,5 @@ class Scheduler:
         else:
             reason = "length" if len(new_ids) >= job.max_new_tokens else "stop"
         result = JobResult(tracker.text, new_ids, reason, job.input_ids.shape[1], stats)
-        self._count(stats)
+        self.stats.count_finished(stats)
         self.emit(job, ("done", result))
-
-    def _count(self, stats: GenerationStats) -> None:
-        s = self.stats
-        s.requests_finished += 1
-        s.tokens_generated += stats.new_tokens
-        s.exited_tokens += round(stats.hit_rate * stats.new_tokens)
-        s.exit_checked += stats.exit_checked
-        s.exit_agreed += (stats.exit_agreement or 0.0) * stats.exit_checked
-        s.drafts_judged += stats.drafts_judged
-        s.drafts_accepted += (stats.draft_acceptance or 0.0) * stats.drafts_judged
-        s.plain_steps += stats.plain_share * stats.new_tokens
-        s.recent.append((time.time(), stats.new_tokens))
