@@ -11,12 +11,21 @@ a `block` adapter is a decoder layer of the model's own class, so it becomes the
 and a `residual_block` is both: its per-channel scales fold into the layer's residual projections and its post-norm
 map into the LM head. Adapters before the final norm (`linear`, `lowrank`) cannot be folded through the
 normalisation, so they are refused rather than exported approximately.
+
+The folder is what those engines read: `config.json` in the base's architecture class with the base's vocabulary
+(vLLM refuses a draft whose vocabulary size differs), the safetensors weights, `generation_config.json`, and the
+base's tokenizer files, so that the folder also loads on its own (transformers' `assistant_model`, which
+`tests/test_export.py` runs against the base). Both engines tokenize with the target's tokenizer. transformers 5
+writes RoPE settings only as `rope_parameters`, which transformers 4 does not read (a 4.x config falls back to its
+default `rope_theta`, silently giving a draft that disagrees more); the export adds the 4.x fields beside them, and
+names the tokenizer class by a name both versions know.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,18 +49,29 @@ class DraftExport:
     parameters: int  # of the draft (tied embeddings counted once)
     bytes: int  # parameter memory of the draft in its dtype
     dtype: str
+    base: str = "BASE"  # the model the draft serves beside (the folder its layers came from), when known
 
-    def serving_snippets(self) -> dict[str, str]:
-        """How to hand the draft to vLLM and SGLang beside the base model."""
+    def serving_snippets(self, draft_tokens: int = 4) -> dict[str, str]:
+        """How to run the draft beside its base model: vLLM (Python and `vllm serve`), SGLang, transformers.
+
+        `draft_tokens` is how many tokens the draft proposes per verification (vLLM's `num_speculative_tokens`,
+        SGLang's `--speculative-num-steps`, with `--speculative-num-draft-tokens` one more for a chain of topk 1).
+        """
+        if draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be at least 1, got {draft_tokens}.")
+        spec = {"method": "draft_model", "model": self.path, "num_speculative_tokens": draft_tokens}
         return {
-            "vllm": (
-                "LLM(model=BASE, speculative_config={'method': 'draft_model', "
-                f"'model': '{self.path}', 'num_speculative_tokens': 4}})"
-            ),
+            "vllm": f"LLM(model={self.base!r}, speculative_config={spec!r})",
+            "vllm_serve": f"vllm serve {shlex.quote(self.base)} --speculative-config {shlex.quote(json.dumps(spec))}",
             "sglang": (
-                "python -m sglang.launch_server --model-path BASE --speculative-algorithm STANDALONE "
-                f"--speculative-draft-model-path {self.path} --speculative-num-steps 4 "
-                "--speculative-eagle-topk 1 --speculative-num-draft-tokens 5"
+                f"python -m sglang.launch_server --model-path {shlex.quote(self.base)} "
+                f"--speculative-algorithm STANDALONE --speculative-draft-model-path {shlex.quote(self.path)} "
+                f"--speculative-num-steps {draft_tokens} --speculative-eagle-topk 1 "
+                f"--speculative-num-draft-tokens {draft_tokens + 1}"
+            ),
+            "transformers": (
+                f"AutoModelForCausalLM.from_pretrained({self.base!r}).generate(input_ids, do_sample=False, "
+                f"assistant_model=AutoModelForCausalLM.from_pretrained({self.path!r}))"
             ),
         }
 
@@ -114,8 +134,10 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
     draft.generation_config = copy.deepcopy(model.generation_config)
     out = Path(out)
     draft.save_pretrained(out)
+    _add_legacy_config_fields(out / "config.json")
     if router.tokenizer is not None:
         router.tokenizer.save_pretrained(out)
+        _portable_tokenizer_class(out)
     params = {id(p): p for p in draft.parameters()}.values()
     result = DraftExport(
         path=str(out.resolve()),
@@ -126,7 +148,48 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
         parameters=sum(p.numel() for p in params),
         bytes=sum(p.numel() * p.element_size() for p in params),
         dtype=str(stack.dtype).replace("torch.", ""),
+        base=_base_path(model),
     )
     info = {**asdict(result), "source": router.name_or_path, "serving": result.serving_snippets()}
     (out / "draft_info.json").write_text(json.dumps(info, indent=2) + "\n")
     return result
+
+
+def _base_path(model: Any) -> str:
+    """Where the base model's weights were loaded from (a local folder or a Hub id), for the serving commands: the
+    draft's layers are that checkpoint's, so the engine should serve that one beside it."""
+    return str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "BASE")
+
+
+def _add_legacy_config_fields(path: Path) -> None:
+    """Mirror transformers 5's `rope_parameters` into the fields transformers 4 reads (`rope_theta`, `rope_scaling`,
+    Gemma 3's `rope_local_base_freq`). transformers 5 reads `rope_parameters` first and ignores these."""
+    config = json.loads(path.read_text())
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return
+    per_layer_type = bool(rope) and all(isinstance(v, dict) for v in rope.values())
+    full = rope.get("full_attention", {}) if per_layer_type else rope
+    sliding = rope.get("sliding_attention", {}) if per_layer_type else {}
+    legacy: dict[str, Any] = {}
+    if "rope_theta" in full:
+        legacy["rope_theta"] = full["rope_theta"]
+    if full.get("rope_type", "default") != "default":
+        legacy["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
+    if "rope_theta" in sliding:
+        legacy["rope_local_base_freq"] = sliding["rope_theta"]
+    added = {k: v for k, v in legacy.items() if config.get(k) is None}
+    if added:
+        path.write_text(json.dumps({**config, **added}, indent=2, sort_keys=True) + "\n")
+
+
+def _portable_tokenizer_class(out: Path) -> None:
+    """transformers 5 names its fast tokenizer `TokenizersBackend`, a class transformers 4 does not have; both know
+    it as `PreTrainedTokenizerFast`, which loads the same `tokenizer.json`."""
+    path = out / "tokenizer_config.json"
+    if not (path.exists() and (out / "tokenizer.json").exists()):
+        return
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
