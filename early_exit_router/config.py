@@ -3,7 +3,7 @@
 - `HeadLayout`: what is saved with the heads and must match them (exit layers, adapters, the draft vocabulary).
 - `CascadeOptions`: the exit rule (thresholds, gates, blocks, the window rules).
 - `DraftingOptions`: the mode, the decision policy, the n-gram tier, the batch design.
-- `MonitoringOptions`: checks of exited tokens, the agreement monitor, the threshold controller.
+- `MonitoringOptions`: checks of exited tokens, the agreement monitor, the quality target and its controller.
 
 `RouterConfig` is all four in one flat dataclass (`config.high_conf_threshold`, `config.replace(mode="exit")`, one
 JSON object); `RouterConfig.groups()` names which group each field belongs to. Every field carries a `help` string in
@@ -305,7 +305,7 @@ class DraftingOptions:
 @dataclass
 class MonitoringOptions:
     """Online quality: which final early tokens the deep pass checks, the rolling exit-agreement monitor, and the
-    threshold controller steering toward a target exit agreement (rejected drafts, corrected, reach neither)."""
+    threshold controller that holds exit mode's target agreement (rejected drafts, corrected, reach neither)."""
 
     check_agreement: bool = field(
         default=True,
@@ -332,17 +332,24 @@ class MonitoringOptions:
             "falls below this (in [0, 1]); 0 turns the warning off. The statistics always carry the minimum seen."
         },
     )
-    controller_target: float | None = field(
+    target_agreement: float | None = field(
         default=None,
         metadata={
-            "help": "Threshold controller: after every deep pass, shift both confidence thresholds up by "
-            "controller_step while the rolling exit agreement (over the last monitor_window checked exited tokens) is "
-            "below this, and down by the same step while it is above; in [0, 1]. None keeps the thresholds fixed."
+            "help": "Exit mode's quality target: the teacher-forced agreement of the output with the full model (the "
+            "share of tokens that are its greedy choice given the same prefix) that the threshold controller holds. "
+            "From the exit checks of the last controller_window tokens it raises both confidence thresholds quickly "
+            "while the estimate misses the target, lowers them slowly while its upper confidence bound on "
+            "disagreement is within it, and stops exiting (drafts stay verified) when no threshold holds it. "
+            "Calibration sets it (the shipped SmolLM2 heads: 0.95). None keeps the thresholds fixed. In [0, 1]."
         },
     )
     controller_step: float = field(
         default=0.01,
-        metadata={"help": "Threshold controller: how far one deep pass moves the thresholds (in (0, 1])."},
+        metadata={"help": "Threshold controller: how far one deep pass lowers the thresholds (raising is 4x faster)."},
+    )
+    controller_window: int = field(
+        default=256,
+        metadata={"help": "Threshold controller: the recent tokens (and exit checks) its estimate spans."},
     )
 
     def __post_init__(self) -> None:
@@ -351,11 +358,16 @@ class MonitoringOptions:
     def _check_monitoring(self) -> None:
         for name in ("monitor_min_agreement", "check_fraction"):
             _check_unit_interval(name, getattr(self, name))
-        if self.controller_target is not None:
-            _check_unit_interval("controller_target", self.controller_target)
+        if self.target_agreement is not None:
+            _check_unit_interval("target_agreement", self.target_agreement)
+            if not self.check_agreement or self.check_fraction == 0:
+                raise ValueError(
+                    "target_agreement needs the exit checks to watch the output's quality: keep check_agreement "
+                    "and a check_fraction above 0, or set target_agreement=None to turn the quality target off."
+                )
         if not 0 < self.controller_step <= 1:
             raise ValueError(f"controller_step must be in (0, 1], got {self.controller_step!r}.")
-        _check_integers(self, {"monitor_window": 1})
+        _check_integers(self, {"monitor_window": 1, "controller_window": 1})
 
 
 @dataclass
@@ -434,35 +446,15 @@ class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayou
             lines.append(f"{f.name} (default {f.default!r}): {f.metadata['help']}")
         return "\n".join(lines)
 
-    @classmethod
-    def reference(cls) -> str:
-        """The configuration reference (`docs/configuration.md`), generated from the groups and the help texts."""
-        lines = [
-            "# Configuration",
-            "",
-            "<!-- Generated from the help texts in early_exit_router/config.py (`RouterConfig.reference()`); edit them",
-            "there and regenerate: python -c 'from early_exit_router import RouterConfig as C; print(C.reference(),",
-            'end="")\' > docs/configuration.md (tests/test_docs.py checks that the two agree). -->',
-            "",
-            "`RouterConfig` holds every knob of the exit heads and their routing, in four groups. Set them in Python",
-            "(`RouterConfig(...)`, `router.config.replace(...)`, or per call `generate(..., config={...})`), on the",
-            "command line (`--high-conf-threshold 0.9`: every field is an option of the commands that load a model),",
-            "or per request in the server's `early_exit` field (the fields it accepts: docs/serving.md). A saved",
-            "router keeps them in `early_exit_config.json`.",
-        ]
-        for group in GROUPS:
-            lines += ["", f"## {group.__name__}", "", " ".join(group.__doc__.split()), ""]
-            lines += ["| field | default | meaning |", "|---|---|---|"]
-            for f in dataclasses.fields(group):
-                text = " ".join(f.metadata["help"].split()).replace("|", "\\|")
-                lines.append(f"| `{f.name}` | `{f.default!r}` | {text} |")
-        return "\n".join(lines) + "\n"
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RouterConfig:
+        data = dict(data)
+        if "controller_target" in data:  # 0.1.0 steered the exit agreement; the target is now the output's
+            legacy = data.pop("controller_target")
+            data.setdefault("target_agreement", legacy)
         unknown = sorted(set(data) - set(cls.field_names()))
         if unknown:
             raise ValueError(

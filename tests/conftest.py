@@ -116,6 +116,7 @@ def assert_exit_statistics_match_teacher_forcing(model, prompt_len: int, out) ->
     accepted = round((s.draft_acceptance or 0.0) * s.drafts_judged)
     assert s.exit_checked - agreed == disagreements, (s.exit_agreement, s.exit_checked, disagreements)
     assert s.exit_checked + accepted == len(early), (s.exit_checked, accepted, len(early))
+    assert s.output_agreement == pytest.approx(1 - disagreements / len(new))  # the whole output's, teacher-forced
 
 
 def model_fingerprint(model) -> dict:

@@ -39,7 +39,8 @@ def test_bench_runs_every_arm_and_writes_json_and_png(tmp_path, monkeypatch):
     # An empty cost-model cache: the table is measured in this run, and must not count towards any arm.
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path / "cache"))
     router = tiny_router(high_conf_threshold=0.07)
-    cfg = BenchConfig(max_new_tokens=8, thresholds=(0.05,), prompt_lookup_num_tokens=3, warmup=False)
+    cfg = BenchConfig(max_new_tokens=8, thresholds=(0.05,), prompt_lookup_num_tokens=3, warmup=False, repeats=1)
+    assert BenchConfig().repeats == 2  # the README's tables: one repeat's ratios move by 8-10% on 2 cores
     result = run_bench(router, PROMPTS[:2], cfg, progress=False)
 
     arms = [a.name for a in result.arms]
@@ -74,6 +75,9 @@ def test_bench_runs_every_arm_and_writes_json_and_png(tmp_path, monkeypatch):
     result.plot(tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "### all" in result.markdown() and "| plain HF generate |" in result.markdown()
+    loop = by_arm[("all", ENGINE_CONTROL)]["speedup"]  # every table carries the decode loop alone as its noise band
+    assert result.markdown().count("Noise band: the decode loop alone") == 3
+    assert f"ran at {loop:.2f}x of plain HF (±{abs(loop - 1):.0%})" in result.markdown()
 
 
 def test_bench_refuses_bad_prompt_records():
@@ -207,6 +211,8 @@ def test_cli_generate_trace_bench_and_calibrate(tiny_folder, tmp_path, capsys):
     report = json.loads((calibrated / "calibration_report.json").read_text())
     reloaded = EarlyExitRouter.from_pretrained(calibrated)  # the saved folder carries the chosen threshold
     assert reloaded.config.high_conf_threshold == report["chosen_threshold"]
+    # calibrate's own --target-agreement is the calibration target, and exit mode's quality target once saved
+    assert reloaded.config.target_agreement == 0.01
     assert main(["calibrate", "--model", str(tiny_folder), "--out", str(calibrated), "--target-agreement", "2"]) == 2
 
 

@@ -470,35 +470,82 @@ def test_verify_with_heads_that_are_never_right_rejects_every_draft():
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
 
 
-def test_threshold_controller_steers_toward_the_target_agreement():
+def test_threshold_controller_holds_the_target_agreement():
     model = tiny_llama(1)
     ids = prompt(1)
     loose = dict(exit_layers=[1, 3], high_conf_threshold=0.05, low_conf_threshold=0.05, entropy_threshold=0.0)
     router = EarlyExitRouter.from_model(model, **loose, ngram_tier=False)  # the hit rate then counts exits alone
     free = router.generate(ids, max_new_tokens=60).stats
-    assert free.threshold_shift == 0.0 and free.exit_agreement < 0.9  # the loose threshold exits wrongly often
+    assert free.threshold_shift == 0.0 and free.output_agreement < 0.85  # the loose threshold exits wrongly often
 
-    router.config = router.config.replace(controller_target=0.9, controller_step=0.01)
+    router.config = router.config.replace(target_agreement=0.9, controller_step=0.01)
     strict = router.generate(ids, max_new_tokens=60).stats
-    assert strict.threshold_shift > 0  # agreement below target: thresholds went up
-    assert strict.hit_rate < free.hit_rate
+    assert strict.threshold_shift > 0  # the output misses the target: thresholds went up
+    assert strict.hit_rate < free.hit_rate and strict.output_agreement > free.output_agreement
     assert "controller moved the thresholds by +" in strict.summary()
 
-    router.config = router.config.replace(controller_target=0.0)  # any agreement will do: thresholds come down
+    router.config = router.config.replace(target_agreement=0.0)  # any agreement will do: thresholds come down
     eager = router.generate(ids, max_new_tokens=60).stats
     assert eager.threshold_shift < 0 and eager.hit_rate >= free.hit_rate
 
-    router.config = router.config.replace(mode="verify", controller_target=0.9)  # lossless whatever it does
+    router.config = router.config.replace(mode="verify", target_agreement=0.9)  # lossless whatever it does
     with router.disabled() as plain:
         ref = plain.generate(ids, max_new_tokens=60, do_sample=False)
     assert torch.equal(router.generate(ids, max_new_tokens=60).sequences, ref)
 
 
+def test_exits_stop_when_no_threshold_holds_the_target():
+    """Heads that are always sure and never right: the controller raises the thresholds to their strictest, and
+    exits stop for the rest of the decode (only verified drafts remain); the statistics say why."""
+    model = tiny_llama(0)
+    ids = prompt(0)
+    ref = model.generate(ids, max_new_tokens=60, do_sample=False)
+    config = {**ALWAYS_EXIT, "high_conf_threshold": 0.85, "low_conf_threshold": 0.85, "use_gate": True}
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter="identity", target_agreement=0.95, **config)
+    token = min(set(range(VOCAB)) - set(ref[0].tolist()))
+    for layer in (1, 3):  # a head that proposes a token the model never emits here, with a gate sure of it
+        router.heads.adapters[str(layer)] = ConstantHidden(model.lm_head.weight[token].detach().clone())
+        router.set_gate(layer, SureGate())
+    out = router.generate(ids, max_new_tokens=60, mode="exit")
+    s = out.stats
+    assert s.exits_suspended and "target_agreement 0.95" in s.exits_suspended and "exits stopped" in s.summary()
+    last_exit = max(i for i, d in enumerate(out.depths) if d in (1, 3))
+    # four deep passes of wrong checks (one strict step each) and the thresholds are at their strictest: the rest of
+    # the output went the full depth
+    assert last_exit < 40 and all(d == 5 for d in out.depths[last_exit + 1 :]), out.depths
+    assert_exit_statistics_match_teacher_forcing(model, ids.shape[1], out)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+    router.config = router.config.replace(target_agreement=None)  # without the target, the heads keep exiting
+    free = router.generate(ids, max_new_tokens=60, mode="exit").stats
+    assert free.exits_suspended is None and free.hit_rate > 0.5
+
+
+class SureGate(torch.nn.Module):
+    """A head gate whose P(agree), the confidence the thresholds compare, is always 1."""
+
+    uses_head, uses_context = True, False
+
+    def forward(self, hidden, context=None, features=None):
+        return torch.ones(hidden.shape[0])
+
+
 def test_controller_settings_are_validated():
-    with pytest.raises(ValueError, match="controller_target"):
-        EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1], controller_target=1.5)
+    with pytest.raises(ValueError, match="target_agreement"):
+        EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1], target_agreement=1.5)
     with pytest.raises(ValueError, match="controller_step"):
         EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1], controller_step=0.0)
+    with pytest.raises(ValueError, match="controller_window"):
+        EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1], controller_window=0)
+    with pytest.raises(ValueError, match="target_agreement=None"):  # no checks: nothing could watch the target
+        EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1], target_agreement=0.9, check_fraction=0.0)
+
+
+def test_a_saved_controller_target_loads_as_the_target_agreement():
+    from early_exit_router.config import RouterConfig
+
+    legacy = {**RouterConfig().to_dict(), "controller_target": 0.9}
+    del legacy["target_agreement"], legacy["controller_window"]  # as 0.1.0 wrote it
+    assert RouterConfig.from_dict(legacy).target_agreement == 0.9
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -522,7 +569,7 @@ def test_rejected_drafts_reach_neither_the_monitor_nor_the_controller():
     the threshold controller and the drift warning where they were."""
     model = tiny_llama(0)
     config = {**NEVER_EXIT, "ngram_tier": True, "ngram_store_tokens": 0}
-    watch = dict(monitor_window=2, monitor_min_agreement=0.99, controller_target=0.99, controller_step=0.05)
+    watch = dict(monitor_window=2, monitor_min_agreement=0.99, target_agreement=0.99, controller_step=0.05)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config, **watch)
     pattern = prompt(1, length=4)  # a pattern three times, different tokens after it: some copies go wrong
     ids = torch.cat([pattern, prompt(11, length=3), pattern, prompt(21, length=3), pattern], dim=1)

@@ -55,11 +55,21 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
                 format_value(row["peak_memory_mb"], ".0f"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
+        lines += _noise_band(rows)
     if meta.get("cost_model"):
         from early_exit_router.routing.costs import CostModel
 
         lines += ["", "### cost model the policy decided from", "", CostModel.from_dict(meta["cost_model"]).markdown()]
     return "\n".join(lines)
+
+
+def _noise_band(rows: list[dict[str, Any]]) -> list[str]:
+    """The decode loop alone does what plain HF does: its distance from 1.00x is how far this run's ratios move."""
+    loop = next((row for row in rows if row.get("family") == "engine control" and row["speedup"] is not None), None)
+    if loop is None:
+        return []
+    band = abs(loop["speedup"] - 1)
+    return ["", f"Noise band: the decode loop alone ran at {loop['speedup']:.2f}x of plain HF (±{band:.0%})."]
 
 
 def _histogram(histogram: dict, tokens: int, num_layers: int) -> str:

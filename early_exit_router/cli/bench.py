@@ -30,7 +30,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
     bench.add_argument("--prompts", default=None, help="JSONL: id, category, kind (text|chat), prompt (default: dev).")
     bench.add_argument("--max-new-tokens", type=int, default=64, help="New tokens per prompt (default: %(default)s).")
-    bench.add_argument("--repeats", type=int, default=1, help="Interleaved repeats (default: %(default)s).")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="Interleaved repeats; each arm's tokens/s is the median over them (default: %(default)s).",
+    )
     bench.add_argument(
         "--modes", type=str_list, default=["exit", "verify"], metavar="M1,M2", help="Router modes (default: both)."
     )

@@ -24,7 +24,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     calib.add_argument("--out", required=True, help="Folder to save the calibrated router into.")
     calib.add_argument("--prompts", default=None, help="JSONL prompts, split in halves (default: the shipped set).")
     target = calib.add_mutually_exclusive_group(required=True)
-    target.add_argument("--target-agreement", type=float, help="Teacher-forced agreement to reach, e.g. 0.95.")
+    target.add_argument(
+        "--target-agreement",
+        type=float,
+        help="Teacher-forced agreement to reach, e.g. 0.95; in exit mode also saved as the router's target_agreement.",
+    )
     target.add_argument("--max-nll-increase", type=float, help="Largest relative NLL increase, e.g. 0.02 for 2%%.")
     calib.add_argument("--method", choices=["ltt", "empirical"], default="ltt", help="Default: %(default)s.")
     calib.add_argument("--delta", type=float, default=0.1, help="LTT risk level (default: %(default)s).")

@@ -144,6 +144,8 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
         else:  # sampled: the rule's token (a batch that samples keeps each row's own prefix)
             ids.append(pick)
     _judge_proposals(dec, accepted, ids)
+    verified = sum(kept + (t is not None) for kept, t, row in zip(kept_rows, ids, dec.rows) if not row.done)
+    dec.routing.quality.add_tokens(0, verified)  # accepted drafts and the full model's token: they agree
     if any(t is not None for t in ids):
         device = logits.device
         tokens = torch.tensor([dec.pad_token_id if t is None else t for t in ids], device=device)
@@ -228,9 +230,9 @@ def judge(dec: DecodeState, first: int, offsets: list[int] | None, verdicts: lis
             counts[1][draft.tier] += int(ok)
             seen.append(bool(ok))
     if seen and final:
-        rolling = dec.monitor.observe(seen)
-        if rolling is not None:  # the controller acts on whatever history there is
-            dec.rule.adjust(dec.routing, rolling)
+        dec.monitor.observe(seen)
+        dec.routing.quality.add_checks(seen)
+        dec.rule.adjust(dec.routing)
 
 
 def _judge_proposals(dec: DecodeState, accepted: list[int], tokens: list[int | None]) -> None:

@@ -47,10 +47,12 @@ def append(
         tokens = torch.where(torch.tensor(done, device=tokens.device), dec.pad_token_id, tokens.reshape(-1))
     dec.slots.append(tokens.reshape(-1), [d or t is not None for d, t in zip(done, ids)])
     end = dec.slots.length
+    landed = 0
     for r, row in enumerate(dec.rows):
         token = ids[r]
         if row.done or token is None:
             continue
+        landed += 1
         row.tokens.append(int(token))
         row.depth.append(layer)
         scores = None
@@ -63,6 +65,9 @@ def append(
             row.request, row.new_tokens, lambda r=r: row_ids(dec, r, end), scores
         ):
             row.stop_at = len(row.new_tokens)
+    if dec.cycle is None:  # final at once: the quality target's token count (verified ones land in `deep.verify`)
+        early = layer != dec.full_layer
+        dec.routing.quality.add_tokens(landed if early else 0, 0 if early else landed)
 
 
 def settle(dec: DecodeState) -> None:

@@ -99,13 +99,14 @@ class Decoder(DecodeState):
         self.exit_drafter = ExitDrafter(stack, heads, config, self.exits)
         prior = {} if config.exit_acceptance_prior is None else {"exit": config.exit_acceptance_prior}
         self.tracker = AcceptanceTracker(prior=config.acceptance_prior, kind_priors=prior)
-        self.routing = rule.new_state()
         self.monitor = AgreementMonitor(config.monitor_window, config.monitor_min_agreement)
         self.passes = PassCounters()
         self.reset()
 
     def reset(self) -> None:
-        """Forget every row (the last one left): the next `join` prefills a new batch; estimates are kept."""
+        """Forget every row (the last one left): the next `join` prefills a new batch; acceptance estimates are kept,
+        the exit rule's memory (the controller's shift, a suspension of exits) starts afresh."""
+        self.routing = self.rule.new_state()
         self.rows: list[Row] = []
         self.slots: Slots | None = None
         self.fill: LayerwiseFill | None = None
@@ -234,7 +235,7 @@ class Decoder(DecodeState):
             self.rule.end_block(self.routing)
         target = None if forced else self.rule.block_target(self.routing)
         asked = set(range(len(self.exits))) if target is None else {target}
-        if forced or target == FULL_DEPTH:
+        if forced or target == FULL_DEPTH or self.routing.exits_suspended:
             asked = set()
         for at in self.fill.walk(embed(self, q), q, q + 1, self.slots, asked):
             if at.exit < len(self.exits) and self._asks(at.exit, target):

@@ -36,6 +36,10 @@ class GenerationStats:
     draft_acceptance: float | None = None
     draft_acceptance_by_layer: dict[int, float] = field(default_factory=dict)
     drafts_judged: int = 0
+    # Exit mode: the teacher-forced agreement of the whole output, estimated from the checks (exact at check_fraction
+    # 1: only final early tokens can disagree), and why exits stopped when no threshold held target_agreement.
+    output_agreement: float | None = None
+    exits_suspended: str | None = None
     deep_passes: int = 0  # decode-time passes through the last layer (the prompt's prefill excluded)
     mean_fill_chunk: float = 0.0  # mean positions per deep pass (1 = no exited token waited)
     forced_deep: int = 0  # deep passes forced by the window rules
@@ -77,7 +81,7 @@ class GenerationStats:
             f"exit agreement {self.exit_agreement:.3f} over {self.exit_checked} checked final early tokens"
             if self.exit_agreement is not None
             else "exit agreement n/a (no final early token checked)"
-        )
+        ) + ("" if self.output_agreement is None else f" (output agreement {self.output_agreement:.3f})")
         speed = (
             f"draft acceptance {self.draft_acceptance:.3f} over {self.drafts_judged} drafts"
             if self.draft_acceptance is not None
@@ -85,6 +89,7 @@ class GenerationStats:
         )
         return "\n".join(
             ([f"decoded plainly: {self.fallback}"] if self.fallback else [])
+            + ([f"exits stopped: {self.exits_suspended}"] if self.exits_suspended else [])
             + [
                 f"mode {self.mode}: {self.new_tokens} new tokens in {self.wall_time_s:.2f} s "
                 f"({self.tokens_per_s:.1f} tok/s; decode {self.decode_tokens_per_s:.1f} tok/s; "
@@ -271,6 +276,8 @@ def combined_stats(rows: list[GenerationStats]) -> GenerationStats:
 
     exit_agreement, exit_checked = pooled("exit_agreement", "exit_checked")
     acceptance, judged = pooled("draft_acceptance", "drafts_judged")
+    output_agreement, _ = pooled("output_agreement", "new_tokens")
+    output_agreement = output_agreement if any(r.output_agreement is not None for r in rows) else None
     first = rows[0]
     wall = max(r.wall_time_s for r in rows)
     return GenerationStats(
@@ -298,6 +305,8 @@ def combined_stats(rows: list[GenerationStats]) -> GenerationStats:
         threshold_shift=first.threshold_shift,
         monitor_warned=any(r.monitor_warned for r in rows),
         fallback=first.fallback,
+        output_agreement=output_agreement,
+        exits_suspended=next((r.exits_suspended for r in rows if r.exits_suspended), None),
         mode=first.mode,
         num_layers=first.num_layers,
     )
@@ -328,6 +337,12 @@ def decode_stats(dec: Any, row: Any) -> GenerationStats:
     skipped = {
         dec.exits[i]: n - (n // interval if interval > 0 else 0) for i, n in sorted(dec.passes.unpaid_asks.items())
     }
-    return row_stats(record, dec.passes, dec.monitor, mode=dec.mode, num_layers=dec.stack.num_layers,
-                     tier_layers=dec.exits + [-1], threshold_shift=dec.routing.threshold_shift,  # -1: the n-gram tier
-                     policy_estimates=estimates, asks_skipped=skipped, fallback=dec.fallback)  # fmt: skip
+    stats = row_stats(record, dec.passes, dec.monitor, mode=dec.mode, num_layers=dec.stack.num_layers,
+                      tier_layers=dec.exits + [-1], threshold_shift=dec.routing.threshold_shift,  # -1: the n-gram tier
+                      policy_estimates=estimates, asks_skipped=skipped, fallback=dec.fallback)  # fmt: skip
+    stats.exits_suspended = dec.routing.exits_suspended
+    fraction = dec.config.check_fraction if dec.config.check_agreement else 0.0
+    if dec.mode == "exit" and new and fraction > 0:
+        misses = sum(row.counters.checked) - sum(row.counters.agreed)
+        stats.output_agreement = max(0.0, 1.0 - misses / fraction / new)
+    return stats

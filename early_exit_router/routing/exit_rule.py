@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 import torch
 
 from early_exit_router.config import RouterConfig
+from early_exit_router.routing.quality_target import QualityWindow, controller_move
 
 FULL_DEPTH = -1  # block target meaning "the full model"
+TIGHTEN_STEPS = 4  # the controller raises the thresholds this many steps at once, and lowers them one at a time
 
 
 @dataclass
@@ -40,6 +42,8 @@ class RoutingState:
     block_remaining: int = 0
     block_target: int = FULL_DEPTH  # exit index chosen by the block's first token, or FULL_DEPTH
     threshold_shift: float = 0.0  # the controller's offset on both confidence thresholds
+    quality: QualityWindow = field(default_factory=lambda: QualityWindow(1))  # the evidence the controller reads
+    exits_suspended: str | None = None  # why exits stopped (no threshold held the target), else None
 
 
 class ExitRule:
@@ -50,7 +54,10 @@ class ExitRule:
         self.log_vocab = math.log(vocab_size)
 
     def new_state(self) -> RoutingState:
-        return RoutingState(recent_confidences=deque(maxlen=max(1, self.config.confidence_window)))
+        return RoutingState(
+            recent_confidences=deque(maxlen=max(1, self.config.confidence_window)),
+            quality=QualityWindow(self.config.controller_window),
+        )
 
     def forced_deep(self, state: RoutingState, pending: int) -> bool:
         """Window rule: True when the next token must run the full depth."""
@@ -126,17 +133,27 @@ class ExitRule:
         config uses the confidence rule alone, low = high, and thresholds shift together)."""
         return self.config.low_conf_threshold < self.config.high_conf_threshold
 
-    def adjust(self, state: RoutingState, rolling_agreement: float) -> None:
-        """Threshold controller: one step toward `controller_target` (stricter below it, looser above it).
+    def adjust(self, state: RoutingState) -> None:
+        """Threshold controller: a move toward `target_agreement` on the evidence in `state.quality`
+        (`quality_target.controller_move`); where it reaches the strictest thresholds, exits stop.
 
-        The shift stays within what can matter: thresholds clamp to [0, 1] in `exit_rule`.
-        """
+        The shift stays within what can matter: thresholds clamp to [0, 1] in `exit_rule`."""
         cfg = self.config
-        if cfg.controller_target is None:
+        if cfg.target_agreement is None or state.exits_suspended:
             return
-        step = cfg.controller_step if rolling_agreement < cfg.controller_target else -cfg.controller_step
+        move = controller_move(state.quality, cfg.target_agreement)
+        if move == 0:
+            return
         low_bound, high_bound = -cfg.high_conf_threshold, 1.0 - cfg.low_conf_threshold
+        step = cfg.controller_step * (TIGHTEN_STEPS if move > 0 else -1)
         state.threshold_shift = min(high_bound, max(low_bound, state.threshold_shift + step))
+        if move > 0 and state.threshold_shift >= high_bound:  # the strictest thresholds: only certainty would exit
+            low, _ = state.quality.disagreement()
+            state.exits_suspended = (
+                f"no threshold held target_agreement {cfg.target_agreement:g} (the output's disagreement rate was "
+                f"above {low:.3f} with 90% confidence as the thresholds reached their strictest)"
+            )
+        state.quality.clear()
 
     def record_exit(self, state: RoutingState, confidence: float) -> None:
         if self.config.confidence_window:

@@ -20,7 +20,8 @@ Method (documented in docs/training.md, "Calibration"):
    - `method="empirical"` (and every NLL target, whose loss is unbounded): the calibration estimate must meet
      the target; no risk bound.
 4. Run the chosen threshold on the held-out half, again against the control, and report whether the target holds
-   there. The chosen thresholds replace the router's config, ready for `save_pretrained`.
+   there. The chosen thresholds replace the router's config, with an agreement target as exit mode's
+   `target_agreement` (the threshold controller then holds it on new text), ready for `save_pretrained`.
 """
 
 from __future__ import annotations
@@ -256,7 +257,10 @@ def calibrate(
         return result
     best = choose(valid, cfg)
     result.chosen_threshold = best.threshold
-    router.config = router.config.replace(**threshold_overrides(best.threshold))
+    # An agreement target is what exit mode then holds on new text (the threshold controller starts from `best`).
+    checked = router.config.check_agreement and router.config.check_fraction > 0  # the controller's evidence
+    target = cfg.target.min_agreement if cfg.mode == "exit" and checked else None
+    router.config = router.config.replace(**{**threshold_overrides(best.threshold), "target_agreement": target})
     if best.speedup is not None and best.speedup < 1:
         result.notes.append(
             f"The chosen threshold is slower than plain HF generation on this machine ({best.speedup:.2f}x): "
