@@ -234,3 +234,32 @@ def test_cli_profile_prints_the_cost_table_and_each_exits_break_even(tiny_folder
     assert "plain decoding step" in out and "What the cost policy chooses" in out
     line = next(row for row in out.splitlines() if row.startswith("Exit mode asks an exit"))
     assert "L1 " in line and "L3 " in line
+    assert "proposal at a context of 8,192 tokens" in out and "of a plain step" in out
+
+
+def test_a_sequence_of_requests_keeps_the_store_between_its_calls_and_reports_the_first_call_apart(monkeypatch):
+    from early_exit_router.bench.bench import request_units
+
+    sequence = [
+        {"id": f"s{k}", "category": "repeated", "kind": "text", "prompt": f"w5 w6 w{7 + k}", "sequence": "s"}
+        for k in range(3)
+    ]
+    prompts = [PROMPTS[0], sequence[0], PROMPTS[2], sequence[1], sequence[2]]
+    assert request_units(prompts) == [[0], [1, 3, 4], [2]]  # a sequence runs as one unit, its calls in file order
+    router = tiny_router(high_conf_threshold=0.07)
+    cleared = []
+    monkeypatch.setattr(router, "clear_ngram_store", lambda: cleared.append(True))
+    cfg = BenchConfig(max_new_tokens=4, thresholds=(), prompt_lookup_num_tokens=0, assistant_early_exit=(),
+                      ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
+    result = run_bench(router, prompts, cfg, progress=False)
+    router_arms = [a for a in result.arms if a.kind == "router"]
+    # the store is emptied before every router run except a sequence's later calls
+    assert len(cleared) == len(router_arms) * (len(prompts) - 2)
+    for arm in result.arms:  # each arm ran the sequence's calls back to back, in order
+        ids = [r.prompt_id for r in result.records if r.arm == arm.name]
+        assert ids[ids.index("s0") : ids.index("s0") + 3] == ["s0", "s1", "s2"]
+    categories = {r.prompt_id: r.category for r in result.records}
+    assert categories["s0"] == "repeated, first call" and categories["s1"] == categories["s2"] == "repeated"
+    assert {row["category"] for row in result.summary} >= {"repeated", "repeated, first call"}
+    with pytest.raises(ValueError, match="sequence"):
+        run_bench(router, [{**sequence[0], "sequence": 3}], cfg, progress=False)

@@ -208,6 +208,50 @@ def test_single_token_matches_are_opt_in_and_reported_with_their_length():
         RouterConfig(ngram_size=3, ngram_min_size=4)
 
 
+@pytest.mark.parametrize("sizes", [(4, 2), (3, 1), (2, 2)])
+def test_the_context_index_answers_as_a_scan_of_the_context_as_it_grows_and_is_cut_back(sizes):
+    """The decoder's n-gram lookups come from an index kept up to date (cut back before rejected drafts are
+    dropped): every answer must be `ngram_match`'s on the context as it is then."""
+    from early_exit_router.routing.ngram import ContextIndex, ngram_match
+
+    rng = random.Random(sum(sizes))
+    tokens = [rng.randrange(4) for _ in range(12)]  # four ids: many repeats, long matches
+    index = ContextIndex(*sizes)
+    for _ in range(400):
+        draft = rng.choice([1, 3, 8])
+        assert index.lookup(tokens, draft) == ngram_match(tokens, sizes[0], draft, sizes[1]), tokens
+        if rng.random() < 0.3 and len(tokens) > 3:  # a rejection: the newest tokens go
+            count = rng.randrange(1, min(6, len(tokens) - 2))
+            index.cut(tokens, len(tokens) - count)
+            del tokens[-count:]
+        else:
+            tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+    assert len(tokens) > 100  # it grew well past the prompt
+
+
+def test_a_lookup_in_a_long_context_does_not_scan_it():
+    """A lookup costs the same dictionary reads at 200 and at 8,000 tokens: the context is never walked."""
+    from early_exit_router.routing.ngram import ContextIndex
+
+    class Counting(list):
+        reads = 0
+
+        def __getitem__(self, key):
+            Counting.reads += 1
+            return super().__getitem__(key)
+
+    reads = []
+    for length in (200, 8000):
+        tokens = Counting(random.Random(length).randrange(50_000) for _ in range(length))
+        index = ContextIndex(4, 2)
+        index.lookup(tokens, 8)  # the first lookup indexes the prompt, once
+        tokens.append(7)
+        Counting.reads = 0
+        index.lookup(tokens, 8)
+        reads.append(Counting.reads)
+    assert reads[0] == reads[1] < 20, reads
+
+
 def test_the_store_respects_its_memory_bound():
     store = SuffixStore(max_tokens=100, max_ngram=4)
     rng = random.Random(0)

@@ -12,6 +12,10 @@ rotates between prompts and repeats, so no arm always runs first). Arms:
 - HF assisted generation with `assistant_early_exit=E` (the model's own first E layers and its LM head draft);
 - HF prompt-lookup decoding (`prompt_lookup_num_tokens`).
 
+Prompts that name a `sequence` are similar requests sent one after another through one router: each arm runs the
+sequence's calls in order, its n-gram store kept between them (every other run starts with an empty store), and the
+first call is reported apart (category "..., first call") from the calls after it, which is where the store pays.
+
 Per run: tokens/s, time to first token, inter-token latency (the gap between tokens' arrival at a streamer, so
 tokens that arrive together count 0 after the first), peak memory, routing statistics, compute per token relative
 to the full model (`compute.ComputeMeter`), and quality against the control (`metrics`). Speedups are ratios to the
@@ -32,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
 from early_exit_router.bench.compute import ComputeMeter
 from early_exit_router.bench.metrics import first_divergence, nll_ratio, rouge_l, teacher_forced_score, token_match
 from early_exit_router.bench.report import format_markdown, plot_tradeoff
+from early_exit_router.bench.timing import ArrivalStreamer, latencies, peak_memory_mb, reset_peak_memory
 
 CONTROL = "plain HF generate"
 ENGINE_CONTROL = "router, exits off"
@@ -115,48 +119,6 @@ def build_arms(router: Any, cfg: BenchConfig) -> list[Arm]:
     return arms
 
 
-class _ArrivalStreamer(BaseStreamer):
-    """Records when generated tokens arrive; the first `put` (the prompt) is skipped."""
-
-    def __init__(self) -> None:
-        self.arrivals: list[tuple[float, int]] = []  # (time, tokens arriving together)
-        self._seen_prompt = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._seen_prompt:
-            self._seen_prompt = True
-            return
-        self.arrivals.append((time.perf_counter(), int(value.numel())))
-
-    def end(self) -> None:
-        pass
-
-
-def _reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif os.path.exists("/proc/self/clear_refs"):
-        try:  # Linux: writing 5 resets the resident-set high-water mark (VmHWM)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-
-
-def _peak_memory_mb(device: torch.device) -> float | None:
-    """CUDA: peak allocated tensor memory. CPU (Linux): the process's resident high-water mark."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 @dataclass
 class RunRecord:
     """One generation of one arm on one prompt."""
@@ -187,15 +149,17 @@ class _Runner:
         self.max_new_tokens = max_new_tokens
         self.device = router.stack.device
 
-    def run(self, arm: Arm, ids: torch.Tensor) -> tuple[list[int], dict | None, float, list]:
+    def run(self, arm: Arm, ids: torch.Tensor, keep_store: bool = False) -> tuple[list[int], dict | None, float, list]:
         """Generate with `arm`; returns new token ids, router stats, wall seconds, streamer arrivals."""
         router, n = self.router, ids.shape[1]
-        streamer = _ArrivalStreamer()
+        streamer = ArrivalStreamer()
         start = time.perf_counter()
         if arm.kind == "router":
-            # Every run starts with an empty n-gram store: the same prompt from another arm would otherwise be
-            # copied whole. The bench measures one request at a time; the store pays off across requests.
-            router.clear_ngram_store()
+            # A run starts with an empty n-gram store (the same prompt from another arm would otherwise be copied
+            # whole), except the later calls of a sequence of requests, which keep what this arm's earlier calls
+            # stored: that is what the store is for.
+            if not keep_store:
+                router.clear_ngram_store()
             config = router.config.replace(**arm.overrides)  # per call: router.config is never swapped
             out = router.generate(ids, self.max_new_tokens, mode=arm.mode, config=config, streamer=streamer)
             new_ids, stats = out.sequences[0, n:].tolist(), out.stats.to_dict()
@@ -212,18 +176,6 @@ class _Runner:
             new_ids, stats = out[0, n:].tolist(), None
         wall = time.perf_counter() - start
         return new_ids, stats, wall, [(t - start, k) for t, k in streamer.arrivals]
-
-
-def _latencies(arrivals: list[tuple[float, int]]) -> tuple[float | None, list[float]]:
-    """Time to first token and per-token inter-arrival gaps (0 for tokens that arrive with the one before)."""
-    if not arrivals:
-        return None, []
-    gaps, previous = [], arrivals[0][0]
-    for t, k in arrivals[1:]:
-        gaps.extend([t - previous] + [0.0] * (k - 1))
-        previous = t
-    gaps = [0.0] * (arrivals[0][1] - 1) + gaps
-    return arrivals[0][0], gaps
 
 
 @dataclass
@@ -286,11 +238,12 @@ def run_bench(
                     runner.run(arm, encoded[0][:, :8])
             bar = tqdm(total=cfg.repeats * len(prompts) * len(arms), disable=not progress, desc="bench", unit="run")
             for repeat in range(cfg.repeats):
-                for p_idx, (item, ids) in enumerate(zip(prompts, encoded)):
-                    shift = (p_idx + repeat) % len(arms)
+                for u_idx, unit in enumerate(request_units(prompts)):
+                    shift = (u_idx + repeat) % len(arms)
                     for arm in arms[shift:] + arms[:shift]:
-                        records.append(_measure(runner, arm, item, ids, repeat, meter))
-                        bar.update(1)
+                        for call, p_idx in enumerate(unit):  # a sequence's calls in order, one arm at a time
+                            records.append(_measure(runner, arm, prompts[p_idx], encoded[p_idx], repeat, meter, call))
+                            bar.update(1)
             bar.close()
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -299,36 +252,60 @@ def run_bench(
     return BenchResult(meta, arms, records, summarize(records, arms))
 
 
+def request_units(prompts: Sequence[dict[str, Any]]) -> list[list[int]]:
+    """The prompts' indices as the bench runs them: a lone prompt alone, and the prompts that name one `sequence`
+    together, in file order (similar requests through one router, in the order a client sends them)."""
+    units: list[list[int]] = []
+    sequences: dict[str, list[int]] = {}
+    for k, item in enumerate(prompts):
+        name = item.get("sequence")
+        if name is None:
+            units.append([k])
+        elif name in sequences:
+            sequences[name].append(k)
+        else:
+            sequences[name] = [k]
+            units.append(sequences[name])
+    return units
+
+
 def _encode(router: Any, item: dict[str, Any]) -> torch.Tensor:
     for key in ("id", "category", "kind", "prompt"):
         if key not in item:
             raise ValueError(f"Prompt record {item!r} lacks the field {key!r} (needed: id, category, kind, prompt).")
     if item["kind"] not in ("text", "chat"):
         raise ValueError(f"Prompt {item['id']!r}: kind must be 'text' or 'chat', got {item['kind']!r}.")
+    if not isinstance(item.get("sequence", ""), str):
+        raise ValueError(f"Prompt {item['id']!r}: sequence must name the sequence of requests it belongs to.")
     return router.encode(item["prompt"], chat=item["kind"] == "chat")
 
 
-def _measure(runner: _Runner, arm: Arm, item: dict, ids: torch.Tensor, repeat: int, meter: ComputeMeter) -> RunRecord:
-    _reset_peak_memory(runner.device)
+def _measure(
+    runner: _Runner, arm: Arm, item: dict, ids: torch.Tensor, repeat: int, meter: ComputeMeter, call: int = 0
+) -> RunRecord:
+    """One run; `call` > 0: a later call of a sequence (the router keeps its n-gram store from the earlier ones)."""
+    reset_peak_memory(runner.device)
     meter.reset()
-    new_ids, stats, wall, arrivals = runner.run(arm, ids)
+    new_ids, stats, wall, arrivals = runner.run(arm, ids, keep_store=call > 0)
     count = meter.reset()
     decode_steps = len(new_ids) - 1
     compute = None
     if decode_steps > 0:
         decode_macs = count.total - meter.prefill_macs(ids.shape[1])
         compute = decode_macs / (decode_steps * meter.full_token_macs)
-    ttft, gaps = _latencies(arrivals)
+    ttft, gaps = latencies(arrivals)
+    # A sequence's first call has nothing stored to copy from: it is reported apart from the calls after it.
+    first_call = "sequence" in item and call == 0
     return RunRecord(
         prompt_id=item["id"],
-        category=item["category"],
+        category=f"{item['category']}, first call" if first_call else item["category"],
         arm=arm.name,
         repeat=repeat,
         new_ids=new_ids,
         wall_s=wall,
         ttft_s=ttft,
         inter_token_s=gaps,
-        peak_memory_mb=_peak_memory_mb(runner.device),
+        peak_memory_mb=peak_memory_mb(runner.device),
         compute_ratio=compute,
         stats=stats,
     )

@@ -26,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.bench.proposal_cost import measure_proposal_cost
     from early_exit_router.routing.ngram import Proposal
     from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy
 
@@ -59,4 +60,11 @@ def run(args: argparse.Namespace) -> int:
     )
     rates = ", ".join(f"L{e} {policy.break_even_exit_rate(i):.2f}" for i, e in enumerate(exits))
     print(f"Exit mode asks an exit while the share of tokens asked that leave there is at least: {rates}")
+    if router.config.ngram_tier:
+        cost = measure_proposal_cost(router.config)
+        print(
+            f"The n-gram tier's proposal at a context of {cost.context:,} tokens (and a full store): "
+            f"{cost.index_ms:.3f} ms per step, {cost.index_ms / costs.plain_step():.2%} of a plain step "
+            f"(scanning the context instead: {cost.scan_ms:.2f} ms; indexing the prompt, once: {cost.build_ms:.0f} ms)"
+        )
     return 0

@@ -177,13 +177,7 @@ def run(args: argparse.Namespace) -> int:
 def _gate_cache(router: Any, args: argparse.Namespace, chunk_len: int) -> tuple[Any, dict[str, Any]]:
     """train-heads' gate-only text (`--gate-prompts`) as hidden states, read from `--gate-hidden-states` when that
     file exists; (None, {}) without it."""
-    from early_exit_router.training.corpus import (
-        CALIBRATION_PROMPTS,
-        DEV_PROMPTS,
-        HELDOUT_PROMPTS,
-        generated_prompts,
-        load_prompts,
-    )
+    from early_exit_router.training.corpus import MEASURED_PROMPT_SETS, generated_prompts, load_prompts
     from early_exit_router.training.hidden_states import HiddenStateCache, build_cache
     from early_exit_router.training.sequences import gate_sequences
 
@@ -200,7 +194,7 @@ def _gate_cache(router: Any, args: argparse.Namespace, chunk_len: int) -> tuple[
         return None, {}
     # Never the training prompts, nor those measured or tuned on.
     exclude = load_prompts(args.prompts) + generated_prompts(args.generated_prompts, args.seed)
-    exclude += [p for name in (DEV_PROMPTS, CALIBRATION_PROMPTS, HELDOUT_PROMPTS) for p in load_prompts(shipped=name)]
+    exclude += [p for name in MEASURED_PROMPT_SETS for p in load_prompts(shipped=name)]
     sequences, manifest = gate_sequences(
         router, args.gate_prompts, args.self_gen_tokens or 96, args.seed, exclude, progress=not args.quiet
     )

@@ -25,7 +25,7 @@ from early_exit_router.heads.exit_heads import ExitHeads
 from early_exit_router.heads.gates import gate_probability, uses_head
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.routing.gate_context import context_features
-from early_exit_router.routing.ngram import NO_PROPOSAL, Proposal, SuffixStore, ngram_match, prefer_stored
+from early_exit_router.routing.ngram import NO_PROPOSAL, ContextIndex, Proposal, SuffixStore, prefer_stored
 
 NGRAM_LAYER = -1  # exit-histogram key of the zero-layer n-gram tier
 
@@ -37,14 +37,17 @@ class SuffixDrafter:
         self.config = config
         self.store = store
 
-    def propose(self, tokens: list[int], budget: int) -> tuple[Proposal, int]:
-        """Up to `budget` tokens to follow `tokens`: the longer match of the context and the store (on a tie, the
-        longer proposal; then the context's). Also returns the token the context's own match copies first (-1:
-        none), which a gate reads."""
+    def index(self) -> ContextIndex:
+        """A fresh index of one context (`Row.index`), for this tier's n-gram sizes."""
+        return ContextIndex(self.config.ngram_size, self.config.ngram_min_size)
+
+    def propose(self, tokens: list[int], index: ContextIndex, budget: int) -> tuple[Proposal, int]:
+        """Up to `budget` tokens to follow `tokens` (indexed by `index`): the longer match of the context and the
+        store (on a tie, the longer proposal; then the context's). Also returns the token the context's own match
+        copies first (-1: none), which a gate reads."""
         if budget <= 0:
             return NO_PROPOSAL, -1
-        cfg = self.config
-        found = ngram_match(tokens, cfg.ngram_size, budget, cfg.ngram_min_size)
+        found = index.lookup(tokens, budget)
         return prefer_stored(found, self.store, tokens, budget), (found.tokens[0] if found.tokens else -1)
 
     def remember(self, tokens: list[int]) -> None:

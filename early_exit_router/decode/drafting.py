@@ -16,26 +16,33 @@ from early_exit_router.decode.drafters import NGRAM_LAYER
 from early_exit_router.decode.emit import append, choose, embed, row_ids
 from early_exit_router.decode.state import DecodeState, Draft, Row, VerifyCycle
 from early_exit_router.heads.gates import uses_head
-from early_exit_router.routing.gate_context import next_copy
-from early_exit_router.routing.ngram import Proposal
+from early_exit_router.routing.ngram import ContextIndex, Proposal
 from early_exit_router.routing.policy import TierKey
 
 
 def propose_ngram(dec: DecodeState, row: Row, budget: int) -> Proposal:
     """The n-gram tier's proposal for `row` (up to `budget` tokens); the scan also tells the gates what the context
     copies here."""
-    proposal, copy = dec.suffix.propose(row.tokens, budget)
+    proposal, copy = dec.suffix.propose(row.tokens, context_index(dec, row), budget)
     if budget > 0:
         row.ngram_memo = (len(row.tokens), copy)
     return proposal
 
 
+def context_index(dec: DecodeState, row: Row) -> ContextIndex:
+    """`row`'s n-gram index (built over the prompt at the first lookup, kept up to date from then on)."""
+    if row.index is None:
+        row.index = dec.suffix.index()
+    return row.index
+
+
 def ngram_token(dec: DecodeState, row: Row) -> int:
-    """The token the tier would copy next in `row`'s own context (-1: none): a gate feature, one scan per context
-    length whichever exits ask."""
+    """The token the tier would copy next in `row`'s own context (-1: none; `gate_context.next_copy`'s answer): a
+    gate feature, one lookup per context length whichever exits ask."""
     length, token = row.ngram_memo
     if length != len(row.tokens):
-        token = next_copy(row.tokens, dec.config.ngram_size, dec.config.ngram_min_size)
+        found = context_index(dec, row).lookup(row.tokens, 1).tokens
+        token = found[0] if found else -1
         row.ngram_memo = (len(row.tokens), token)
     return token
 

@@ -30,7 +30,7 @@ from early_exit_router.heads.exit_heads import ExitHeads
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.routing.costs import CostModel
 from early_exit_router.routing.exit_rule import ExitRule, RoutingState
-from early_exit_router.routing.ngram import Proposal
+from early_exit_router.routing.ngram import ContextIndex, Proposal
 from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
 
 
@@ -76,6 +76,7 @@ class Row:
     ended: float | None = None
     # The suffix drafter's view of this context for the gates: (context length, the token it would copy or -1).
     ngram_memo: tuple[int, int] = (-1, -1)
+    index: ContextIndex | None = None  # the n-gram tier's index of `tokens` (built at the first lookup)
 
     @property
     def new_tokens(self) -> list[int]:
@@ -90,6 +91,8 @@ class Row:
         """Forget the newest `count` tokens (rejected drafts): tokens, record, and a stop among them."""
         if count <= 0:
             return
+        if self.index is not None:
+            self.index.cut(self.tokens, len(self.tokens) - count)
         del self.tokens[-count:]
         keep = len(self.tokens) - self.prompt_len
         del self.depth[keep:]

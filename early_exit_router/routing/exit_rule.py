@@ -148,10 +148,10 @@ class ExitRule:
         step = cfg.controller_step * (TIGHTEN_STEPS if move > 0 else -1)
         state.threshold_shift = min(high_bound, max(low_bound, state.threshold_shift + step))
         if move > 0 and state.threshold_shift >= high_bound:  # the strictest thresholds: only certainty would exit
-            low, _ = state.quality.disagreement()
+            estimate, _ = state.quality.disagreement()
             state.exits_suspended = (
                 f"no threshold held target_agreement {cfg.target_agreement:g} (the output's disagreement rate was "
-                f"above {low:.3f} with 90% confidence as the thresholds reached their strictest)"
+                f"{estimate:.3f} as the thresholds reached their strictest)"
             )
         state.quality.clear()
 

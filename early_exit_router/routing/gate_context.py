@@ -1,9 +1,9 @@
 """What a learned gate reads beyond the hidden state, defined once: the decoder computes it online, training replays
 it offline on cached text, and both go through these functions.
 
-- `ngram_match`: whether the n-gram tier would copy a token here. Online `next_copy` looks at the context so far;
-  offline `replay_next_copies` answers for every position of a text at once (incrementally, the same answer at every
-  prefix).
+- `ngram_match`: whether the n-gram tier would copy a token here. Online the decoder asks its context index
+  (`routing.ngram.ContextIndex`, `ngram_match`'s answer on the context so far); offline `replay_next_copies` answers
+  for every position of a text at once (incrementally, the same answer at every prefix).
 - `recent_acceptance`: the exit's running acceptance estimate: an `AcceptanceTracker`'s, from the exit's prior. Online
   it is the decoder's own tracker; offline `replay_acceptance` feeds a tracker the previous positions' verdicts.
 
@@ -15,19 +15,13 @@ from __future__ import annotations
 import torch
 
 from early_exit_router.config import RouterConfig
-from early_exit_router.routing.ngram import ngram_match
 from early_exit_router.routing.policy import AcceptanceTracker
 
 
-def next_copy(tokens: list[int], max_ngram: int, min_ngram: int) -> int:
-    """The token the n-gram tier would copy after `tokens` from the context itself (-1: no match)."""
-    found = ngram_match(tokens, max_ngram, 1, min_ngram).tokens
-    return found[0] if found else -1
-
-
 def replay_next_copies(tokens: list[int], max_ngram: int, min_ngram: int) -> list[int]:
-    """`next_copy(tokens[: t + 1])` for every t, in one pass: the latest earlier occurrence of the longest suffix
-    of `max_ngram` down to `min_ngram` tokens, and the token after it (-1 marks an unknown token)."""
+    """For every t, the token `ngram_match(tokens[: t + 1], max_ngram, 1, min_ngram)` copies (-1: none), in one
+    pass: the latest earlier occurrence of the longest suffix of `max_ngram` down to `min_ngram` tokens, and the
+    token after it (-1 marks an unknown token)."""
     sizes = range(max_ngram, min_ngram - 1, -1)
     latest: dict[tuple[int, ...], int] = {}  # n-gram -> its latest start whose follower is known
     out = []

@@ -1,9 +1,11 @@
 """The zero-layer draft tier: copy what followed the same tokens earlier, in this context or in earlier outputs.
 
-`ngram_match` looks in the current context (prompt lookup); `SuffixStore` keeps a bounded store of this router's
-earlier sequences across calls (as SuffixDecoding does for agentic workloads, where the same structures recur from
-request to request). Both return the proposal and the length of the match behind it: a longer match is a better
-predictor, so the router estimates acceptance per match length and drafts further where matches are long.
+`ngram_match` looks in the current context (prompt lookup) by scanning it; `ContextIndex` gives the same answer from
+an index kept up to date as the context grows and is cut back, so that a step's lookup does not grow with the
+context. `SuffixStore` keeps a bounded store of this router's earlier sequences across calls (as SuffixDecoding does
+for agentic workloads, where the same structures recur from request to request). Each returns the proposal and the
+length of the match behind it: a longer match is a better predictor, so the router estimates acceptance per match
+length and drafts further where matches are long.
 """
 
 from __future__ import annotations
@@ -35,6 +37,50 @@ def ngram_match(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: in
             if tokens[start : start + n] == suffix:
                 return Proposal(tokens[start + n : start + n + max_draft], n)
     return NO_PROPOSAL
+
+
+class ContextIndex:
+    """`ngram_match` over one growing context, from an index: for every n-gram of `min_ngram` to `max_ngram` tokens,
+    the end positions of its occurrences, in order. `lookup` costs O(max_ngram) dictionary reads whatever the length.
+
+    The context is the caller's list, which only ever grows at its end or is cut back (rejected drafts): the index
+    catches up with appended tokens at the next lookup, and `cut` must be called before tokens are removed (it reads
+    them to find their entries)."""
+
+    def __init__(self, max_ngram: int, min_ngram: int = 2) -> None:
+        self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> end positions of its occurrences, increasing
+        self.length = 0  # tokens of the context indexed so far
+
+    def cut(self, tokens: list[int], length: int) -> None:
+        """`tokens` is about to be cut back to `length`: forget the n-grams that end after it."""
+        for end in range(self.length, length, -1):  # newest first: each is the last entry of its list
+            for n in self.sizes:
+                if end >= n:
+                    key = tuple(tokens[end - n : end])
+                    ends = self.ends[key]
+                    ends.pop()
+                    if not ends:
+                        del self.ends[key]
+        self.length = min(self.length, length)
+
+    def _catch_up(self, tokens: list[int]) -> None:
+        for end in range(self.length + 1, len(tokens) + 1):
+            for n in self.sizes:
+                if end >= n:
+                    self.ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
+        self.length = len(tokens)
+
+    def lookup(self, tokens: list[int], max_draft: int) -> Proposal:
+        """`ngram_match(tokens, max_ngram, max_draft, min_ngram)`: what followed the latest earlier occurrence of
+        the longest matching suffix, and its length."""
+        self._catch_up(tokens)
+        for n in self.sizes:
+            ends = self.ends.get(tuple(tokens[-n:])) if len(tokens) > n else None
+            if ends is not None and len(ends) > 1:  # the last entry is the suffix itself
+                end = ends[-2]
+                return Proposal(tokens[end : end + max_draft], n)
+        return NO_PROPOSAL
 
 
 def prefer_stored(found: Proposal, store: SuffixStore | None, tokens: list[int], budget: int) -> Proposal:

@@ -7,11 +7,12 @@ choice and verified drafts were accepted by it. So the output's disagreement rat
     d = h * (1 - a)
 
 with `h` the share of tokens that left early unverified and `a` the exit agreement of the checks. The controller
-compares one-sided confidence bounds on `d` (Wilson's, at 90%) with the budget `1 - target_agreement`: it tightens
-when even the lower bound misses the budget, by four steps (a quality loss is what the user sees), and loosens by one
-step when the upper bound is within it; otherwise it holds. Each move starts the evidence afresh (the checks before
-it describe other thresholds), so a move is never taken twice on the same evidence. When it would tighten beyond
-the strictest thresholds, nothing holds the target on this text: exits stop until the decoder empties.
+tightens quickly and loosens slowly: it raises the thresholds by four steps as soon as the estimate of `d` exceeds
+the budget `1 - target_agreement` (a quality loss is what the user sees), and lowers them by one step only when a
+one-sided 90% upper confidence bound on `d` (Wilson's) is within it; otherwise it holds. Each move starts the
+evidence afresh (the checks before it describe other thresholds), so a move is never taken twice on the same
+evidence. When it would tighten beyond the strictest thresholds, nothing holds the target on this text: exits stop
+until the decoder empties.
 """
 
 from __future__ import annotations
@@ -59,16 +60,19 @@ class QualityWindow:
         self.checks.clear()
 
     def disagreement(self) -> tuple[float, float]:
-        """(lower, upper) confidence bounds on the output's disagreement rate; (0, 1) before the first check."""
+        """(estimate, upper bound) of the output's disagreement rate; (0, 1) before the first check."""
+        if not self.checks:
+            return 0.0, 1.0
         h = sum(self.tokens) / len(self.tokens) if self.tokens else 1.0
-        low, high = wilson_bounds(len(self.checks) - sum(self.checks), len(self.checks))
-        return h * low, h * high
+        misses = len(self.checks) - sum(self.checks)
+        _, high = wilson_bounds(misses, len(self.checks))
+        return h * misses / len(self.checks), h * high
 
 
 def controller_move(window: QualityWindow, target: float) -> int:
-    """+1: tighten (the lower bound misses the target), -1: loosen (the upper bound is within it), 0: hold."""
-    low, high = window.disagreement()
+    """+1: tighten (the estimate misses the target), -1: loosen (the upper bound is within it), 0: hold."""
+    estimate, high = window.disagreement()
     budget = 1.0 - target
-    if low > budget:
+    if estimate > budget:
         return 1
     return -1 if high <= budget else 0

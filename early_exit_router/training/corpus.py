@@ -39,6 +39,11 @@ TRAIN_PROMPTS = "train_prompts.jsonl"  # self-distillation prompts
 DEV_PROMPTS = "dev_prompts.jsonl"  # development set: measured on, never trained on
 CALIBRATION_PROMPTS = "calibration_prompts.jsonl"  # threshold calibration, split in halves; never trained on
 HELDOUT_PROMPTS = "heldout_prompts.jsonl"  # held out: benchmarked beside the dev set, never tuned or trained on
+# Grounded output (edits, conversions, extraction, continuations of structured text) and sequences of similar
+# requests, 192 new tokens: a development set, and a held-out set never tuned or trained on.
+GROUNDED_PROMPTS = "grounded_prompts.jsonl"
+GROUNDED_HELDOUT_PROMPTS = "grounded_heldout_prompts.jsonl"
+MEASURED_PROMPT_SETS = (DEV_PROMPTS, CALIBRATION_PROMPTS, HELDOUT_PROMPTS, GROUNDED_PROMPTS, GROUNDED_HELDOUT_PROMPTS)
 
 
 def load_prompts(path: str | Path | None = None, shipped: str = TRAIN_PROMPTS) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """What a request must pass before the app parses it: the API key, then the body's size. Both are plain ASGI
 middleware, so an unauthenticated caller gets 401 before its body is read or validated (bad JSON included), and an
 oversized body gets 413 as soon as its declared length, or the bytes read so far, pass the limit: a huge prompt is
-never read whole, parsed or tokenized."""
+never read whole, parsed or tokenized (a chunked one is read on, and dropped, for at most 1 MiB past the limit, so
+that a client sending it whole gets the answer rather than a reset connection)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from early_exit_router.integrations.server.protocol import error_body
+
+DRAIN_BYTES = 1 << 20  # an oversized chunked body is read on (and dropped) this far, so its sender reads the 413
 
 
 class ApiKeyGuard:
@@ -61,6 +64,8 @@ class BodyLimit:
             body = message.get("body", b"")
             size += len(body)
             if size > self.max_bytes:
+                if message.get("more_body", False):
+                    await _discard(receive, DRAIN_BYTES)
                 await self._too_large(scope, receive, send)
                 return
             chunks.append(body)
@@ -78,6 +83,17 @@ class BodyLimit:
             error_body(message, code="request_too_large"), status_code=413, headers={"Connection": "close"}
         )
         await response(scope, receive, send)
+
+
+async def _discard(receive: Receive, limit: int) -> None:
+    """Read and drop the rest of a body, up to `limit` bytes: a client still sending when the connection closes
+    gets a reset instead of the 413 it is owed."""
+    dropped = 0
+    while dropped <= limit:
+        message = await receive()
+        dropped += len(message.get("body", b""))
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
 
 
 def _replay(body: bytes, receive: Receive) -> Any:
