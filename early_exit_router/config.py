@@ -337,9 +337,10 @@ class MonitoringOptions:
         metadata={
             "help": "Exit mode's quality target: the teacher-forced agreement of the output with the full model (the "
             "share of tokens that are its greedy choice given the same prefix) that the threshold controller holds. "
-            "From the exit checks of the last controller_window tokens it raises both confidence thresholds quickly "
-            "while the estimate misses the target, lowers them slowly while its upper confidence bound on "
-            "disagreement is within it, and stops exiting (drafts stay verified) when no threshold holds it. "
+            "From the exit checks since the thresholds last moved (at most controller_window) it raises both "
+            "confidence thresholds as soon as the estimate misses the target, lowers them slowly once a 90% upper "
+            "bound on the disagreement is within it, and stops exiting (drafts stay verified) when no threshold "
+            "holds it. "
             "Calibration sets it (the shipped SmolLM2 heads: 0.95). None keeps the thresholds fixed. In [0, 1]."
         },
     )

@@ -37,7 +37,7 @@ def context_index(dec: DecodeState, row: Row) -> ContextIndex:
 
 
 def ngram_token(dec: DecodeState, row: Row) -> int:
-    """The token the tier would copy next in `row`'s own context (-1: none; `gate_context.next_copy`'s answer): a
+    """The token the tier would copy next in `row`'s own context (-1: none; `ngram_match`'s answer): a
     gate feature, one lookup per context length whichever exits ask."""
     length, token = row.ngram_memo
     if length != len(row.tokens):
