@@ -46,7 +46,7 @@ def _flag(name: str) -> str:
 
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     flag = _flag(f.name)
-    help_text = f"{f.metadata['help']} ({_default_note(f)})"
+    help_text = f"{f.metadata['help']} ({_default_note(f)})".replace("%", "%%")  # argparse formats help with %
     if f.name in ("exit_layers", "active_exit_layers"):
         group.add_argument(flag, type=int_list, default=None, metavar="E1,E2", help=help_text)
     elif f.name == "exit_adapters":
