@@ -240,6 +240,10 @@ def test_a_lookup_in_a_long_context_does_not_scan_it():
             Counting.reads += 1
             return super().__getitem__(key)
 
+        def __iter__(self):  # a walk over the context reads every token
+            Counting.reads += len(self)
+            return super().__iter__()
+
     reads = []
     for length in (200, 8000):
         tokens = Counting(random.Random(length).randrange(50_000) for _ in range(length))

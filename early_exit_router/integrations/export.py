@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from early_exit_router.heads.block import BLOCK_KINDS
+from early_exit_router.models import _compat
 
 FOLDABLE_ADAPTERS = ("identity", "postnorm", "block", "residual_block")
 
@@ -134,10 +135,10 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
     draft.generation_config = copy.deepcopy(model.generation_config)
     out = Path(out)
     draft.save_pretrained(out)
-    _add_legacy_config_fields(out / "config.json")
+    _compat.add_legacy_config_fields(out / "config.json")
     if router.tokenizer is not None:
         router.tokenizer.save_pretrained(out)
-        _portable_tokenizer_class(out)
+        _compat.portable_tokenizer_class(out)
     params = {id(p): p for p in draft.parameters()}.values()
     result = DraftExport(
         path=str(out.resolve()),
@@ -159,37 +160,3 @@ def _base_path(model: Any) -> str:
     """Where the base model's weights were loaded from (a local folder or a Hub id), for the serving commands: the
     draft's layers are that checkpoint's, so the engine should serve that one beside it."""
     return str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "BASE")
-
-
-def _add_legacy_config_fields(path: Path) -> None:
-    """Mirror transformers 5's `rope_parameters` into the fields transformers 4 reads (`rope_theta`, `rope_scaling`,
-    Gemma 3's `rope_local_base_freq`). transformers 5 reads `rope_parameters` first and ignores these."""
-    config = json.loads(path.read_text())
-    rope = config.get("rope_parameters")
-    if not isinstance(rope, dict):
-        return
-    per_layer_type = bool(rope) and all(isinstance(v, dict) for v in rope.values())
-    full = rope.get("full_attention", {}) if per_layer_type else rope
-    sliding = rope.get("sliding_attention", {}) if per_layer_type else {}
-    legacy: dict[str, Any] = {}
-    if "rope_theta" in full:
-        legacy["rope_theta"] = full["rope_theta"]
-    if full.get("rope_type", "default") != "default":
-        legacy["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
-    if "rope_theta" in sliding:
-        legacy["rope_local_base_freq"] = sliding["rope_theta"]
-    added = {k: v for k, v in legacy.items() if config.get(k) is None}
-    if added:
-        path.write_text(json.dumps({**config, **added}, indent=2, sort_keys=True) + "\n")
-
-
-def _portable_tokenizer_class(out: Path) -> None:
-    """transformers 5 names its fast tokenizer `TokenizersBackend`, a class transformers 4 does not have; both know
-    it as `PreTrainedTokenizerFast`, which loads the same `tokenizer.json`."""
-    path = out / "tokenizer_config.json"
-    if not (path.exists() and (out / "tokenizer.json").exists()):
-        return
-    config = json.loads(path.read_text())
-    if config.get("tokenizer_class") == "TokenizersBackend":
-        config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

@@ -11,13 +11,17 @@
   padding without that trim (it reads the layer's `keys`, `values` and `cumulative_length`).
 * `generate()` and forward passes keep their cache under `cache` (model kwargs and output field) in newer 5.x
   releases, `past_key_values` before; the mask builders take `cache=` or `past_key_values=` likewise.
+* Saved folders other releases read: 5.x writes RoPE settings only as `rope_parameters` and names its fast tokenizer
+  `TokenizersBackend`, neither of which 4.x knows (`add_legacy_config_fields`, `portable_tokenizer_class`).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -219,3 +223,37 @@ def gather_cache_slots(cache: Any, index: torch.Tensor) -> None:
             states = getattr(layer, name)  # (b, heads, slots, dim)
             take = index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
             setattr(layer, name, states.gather(2, take))
+
+
+def add_legacy_config_fields(path: Path) -> None:
+    """Mirror transformers 5's `rope_parameters` into the fields transformers 4 reads (`rope_theta`, `rope_scaling`,
+    Gemma 3's `rope_local_base_freq`). transformers 5 reads `rope_parameters` first and ignores these."""
+    config = json.loads(path.read_text())
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return
+    per_layer_type = bool(rope) and all(isinstance(v, dict) for v in rope.values())
+    full = rope.get("full_attention", {}) if per_layer_type else rope
+    sliding = rope.get("sliding_attention", {}) if per_layer_type else {}
+    legacy: dict[str, Any] = {}
+    if "rope_theta" in full:
+        legacy["rope_theta"] = full["rope_theta"]
+    if full.get("rope_type", "default") != "default":
+        legacy["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
+    if "rope_theta" in sliding:
+        legacy["rope_local_base_freq"] = sliding["rope_theta"]
+    added = {k: v for k, v in legacy.items() if config.get(k) is None}
+    if added:
+        path.write_text(json.dumps({**config, **added}, indent=2, sort_keys=True) + "\n")
+
+
+def portable_tokenizer_class(out: Path) -> None:
+    """transformers 5 names its fast tokenizer `TokenizersBackend`, a class transformers 4 does not have; both know
+    it as `PreTrainedTokenizerFast`, which loads the same `tokenizer.json`."""
+    path = out / "tokenizer_config.json"
+    if not (path.exists() and (out / "tokenizer.json").exists()):
+        return
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

@@ -21,18 +21,17 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-Z_ONE_SIDED_90 = 1.2816  # each one-sided bound holds with probability 0.9
+Z_ONE_SIDED_90 = 1.2816  # the one-sided bound holds with probability 0.9
 
 
-def wilson_bounds(failures: int, trials: int, z: float = Z_ONE_SIDED_90) -> tuple[float, float]:
-    """One-sided (lower, upper) confidence bounds on a rate from `failures` in `trials` ((0, 1) with no trial)."""
+def wilson_upper(failures: int, trials: int, z: float = Z_ONE_SIDED_90) -> float:
+    """Wilson's one-sided upper confidence bound on a rate from `failures` in `trials` (1 with no trial)."""
     if trials == 0:
-        return 0.0, 1.0
+        return 1.0
     p, z2 = failures / trials, z * z
     centre = p + z2 / (2 * trials)
     spread = z * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials * trials))
-    scale = 1 + z2 / trials
-    return max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale)
+    return min(1.0, (centre + spread) / (1 + z2 / trials))
 
 
 @dataclass
@@ -65,8 +64,7 @@ class QualityWindow:
             return 0.0, 1.0
         h = sum(self.tokens) / len(self.tokens) if self.tokens else 1.0
         misses = len(self.checks) - sum(self.checks)
-        _, high = wilson_bounds(misses, len(self.checks))
-        return h * misses / len(self.checks), h * high
+        return h * misses / len(self.checks), h * wilson_upper(misses, len(self.checks))
 
 
 def controller_move(window: QualityWindow, target: float) -> int:

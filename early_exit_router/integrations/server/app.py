@@ -364,12 +364,12 @@ class _StatsCollector:
         yield GaugeMetricFamily(
             "eer_hit_rate",
             "Share of tokens that left at a shallow exit or the n-gram tier",
-            value=s.exited_tokens / tokens if tokens else 0.0,
+            value=_share(s.exited_tokens, tokens),
         )
         yield GaugeMetricFamily(
             "eer_exit_agreement",
             "Exit mode's quality: share of checked final early tokens the full model agreed with",
-            value=s.exit_agreed / s.exit_checked if s.exit_checked else 0.0,
+            value=_share(s.exit_agreed, s.exit_checked),
         )
         yield CounterMetricFamily(
             "eer_exits_suspended_requests",
@@ -379,13 +379,18 @@ class _StatsCollector:
         yield GaugeMetricFamily(
             "eer_draft_acceptance",
             "Share of drafted tokens a verify cycle accepted",
-            value=s.drafts_accepted / s.drafts_judged if s.drafts_judged else 0.0,
+            value=_share(s.drafts_accepted, s.drafts_judged),
         )
         yield GaugeMetricFamily(
             "eer_plain_share",
             "Share of tokens decoded plainly (the policy's fallback)",
-            value=s.plain_steps / tokens if tokens else 0.0,
+            value=_share(s.plain_steps, tokens),
         )
+
+
+def _share(part: float, whole: float) -> float:
+    """A rate for a gauge: 0 before anything was counted."""
+    return part / whole if whole else 0.0
 
 
 def _version() -> str:
