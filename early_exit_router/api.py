@@ -101,12 +101,15 @@ class EarlyExitRouter:
         config: RouterConfig | None = None,
         *,
         name_or_path: str | None = None,
+        pack_weights: bool = True,
         **overrides: Any,
     ) -> EarlyExitRouter:
         """Attach fresh (untrained) exit heads to `model` in place; no weight is copied.
 
         `overrides` replace fields of `config` (e.g. `exit_layers=[10, 20]`). Everything is validated before the
-        model is touched, so an error leaves it exactly as it was.
+        model is touched, so an error leaves it exactly as it was. `pack_weights=False` keeps the router's own
+        passes on the model's products where they would run from prepacked weights (`LayerStack.use_packed_weights`:
+        bf16 on CPUs that compute it natively; the same numbers, faster, at one more copy of the weights' memory).
         """
         _compat.check_supported()
         config = (config or RouterConfig()).replace(**overrides) if overrides else (config or RouterConfig())
@@ -117,6 +120,7 @@ class EarlyExitRouter:
         config = config.replace(exit_layers=exit_layers, heads_trained=False)
         heads = build_heads(stack, config, exit_layers)
         name = name_or_path or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        stack.use_packed_weights(pack_weights)
         return cls(model, tokenizer, config, heads, stack, name)._patched()
 
     @classmethod
@@ -129,6 +133,8 @@ class EarlyExitRouter:
         device: str | torch.device | None = None,
         quantize: str | None = None,
         fresh_heads: bool = False,
+        pack_weights: bool = True,
+        warm_up: bool = True,
         **overrides: Any,
     ) -> EarlyExitRouter:
         """Load a base model and its exit heads.
@@ -139,15 +145,20 @@ class EarlyExitRouter:
         of saved heads is refused, since those heads would not exist. `fresh_heads=True` ignores saved or shipped
         heads and attaches new, untrained ones (for training). `quantize` loads the base quantized: "int8" or
         "int4" (torchao weight-only, any device) or "bnb-8bit" / "bnb-4bit" (bitsandbytes, CUDA); the heads stay
-        dense.
+        dense. `pack_weights`: see `from_model`. `warm_up=False` leaves to the first call what `warm_up()` pays here
+        (the cost table, kernels' first calls): for a router that will not decode (training, reports).
         """
         dtype = parse_dtype(dtype)
         saved = saved_router(str(name_or_path))
         source = saved.identity.name_or_path if is_router_dir(str(name_or_path)) else str(name_or_path)
         model, tokenizer, name = load_base_model(source, dtype, device, quantize)
         if saved is None or fresh_heads:
-            return cls.from_model(model, tokenizer, config, name_or_path=name, **overrides)
-        return cls._from_saved(model, tokenizer, saved, config, name, **overrides)
+            router = cls.from_model(model, tokenizer, config, name_or_path=name, pack_weights=pack_weights, **overrides)
+        else:
+            router = cls._from_saved(model, tokenizer, saved, config, name, pack_weights, **overrides)
+        if warm_up:
+            router.warm_up()
+        return router
 
     @classmethod
     def _from_saved(
@@ -157,6 +168,7 @@ class EarlyExitRouter:
         saved: SavedRouter,
         config: RouterConfig | None,
         name: str,
+        pack_weights: bool = True,
         **overrides: Any,
     ) -> EarlyExitRouter:
         base_config = config or saved.config
@@ -164,6 +176,7 @@ class EarlyExitRouter:
         config = base_config.replace(**overrides) if overrides else base_config
         stack = stack_for(model)
         heads = heads_from_saved(saved, stack, config, name)
+        stack.use_packed_weights(pack_weights)
         return cls(model, tokenizer, config, heads, stack, name)._patched()
 
     def load_saved_heads(self, name_or_path: str | Path) -> ExitHeads:
@@ -188,6 +201,7 @@ class EarlyExitRouter:
         """Remove everything the patch added and return the original model object. The router is unusable after."""
         self._require_patched()
         hf_generate.detach(self._model)
+        self.stack.use_packed_weights(False)  # frees the packed copies
         self._state = "unpatched"
         return self._model
 
@@ -253,13 +267,15 @@ class EarlyExitRouter:
             self.heads.gates[key] = gate.to(device=self.stack.device)
 
     def describe(self) -> str:
-        """One line about the heads: exit layers, adapter and their size."""
+        """One line about the heads: exit layers, adapter and their size (and the prepacked weights, where used)."""
         trained = "trained" if self.config.heads_trained else "UNTRAINED (logit lens)"
         adapters = self.heads.kinds_summary() if self.heads.kinds else self.config.adapter
+        packed = self.stack.packed_weights
         return (
             f"{self.name_or_path}: {self.stack.num_layers} layers, exits at {self.exit_layers} "
             f"({adapters} adapters, {trained}); added parameters {self.num_added_parameters():,} "
             f"({self.added_parameter_share():.2%} of the base model)"
+            + (f"; {len(packed)} weights prepacked ({packed.nbytes / 2**20:.0f} MiB)" if packed else "")
         )
 
     # ------------------------------------------------------------------------------------------------ decoding
@@ -483,6 +499,22 @@ class EarlyExitRouter:
         if refresh or stale or self._measured is None or self._measured.key != key:  # in memory: no disk read per call
             self._measured = cost_model_for(self.stack, self.heads, config.draft_vocab_size, refresh=refresh or stale)
         return self._measured
+
+    def warm_up(self, new_tokens: int = 8) -> None:
+        """Pay now what a fresh router's first call would otherwise pay: the cost table (read from disk, or measured
+        once per machine) and every kernel's first call (one throw-away verify decode of `new_tokens` tokens over a
+        repeating prompt, so drafts are verified too). Nothing of it stays: the n-gram store and `last_stats` are
+        as they were."""
+        with self.lock:
+            if self.config.policy == "cost":
+                self.costs()
+            store, last = self._ngram_store, self.last_stats
+            self._ngram_store = None
+            try:
+                ids = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4]], device=self.stack.device) % self.stack.vocab_size
+                self.generate(ids, new_tokens, mode="verify")
+            finally:
+                self._ngram_store, self.last_stats = store, last
 
     def clear_ngram_store(self) -> None:
         """Forget the earlier outputs the n-gram tier copies from (benchmarks start every run from nothing)."""

@@ -263,3 +263,59 @@ def test_a_sequence_of_requests_keeps_the_store_between_its_calls_and_reports_th
     assert {row["category"] for row in result.summary} >= {"repeated", "repeated, first call"}
     with pytest.raises(ValueError, match="sequence"):
         run_bench(router, [{**sequence[0], "sequence": 3}], cfg, progress=False)
+
+
+def test_a_lower_precision_bench_scores_every_output_against_the_model_at_float32():
+    reference = tiny_llama(0).eval()  # float32
+    router = EarlyExitRouter.from_model(tiny_llama(0).to(torch.bfloat16), tiny_tokenizer(), **MIXED_CONFIG)
+    cfg = BenchConfig(max_new_tokens=6, thresholds=(0.05,), prompt_lookup_num_tokens=3, assistant_early_exit=(),
+                      ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
+    result = run_bench(router, PROMPTS[:2], cfg, progress=False, reference=reference)
+    assert result.meta["dtype"] == "bfloat16" and result.meta["reference_dtype"] == "float32"
+    by_prompt = {item["id"]: router.encode(item["prompt"], chat=item["kind"] == "chat")[0].tolist() for item in PROMPTS}
+    from early_exit_router.bench.metrics import teacher_forced_score
+
+    for record in result.records:  # each output judged by the float32 model, teacher-forced
+        expected = teacher_forced_score(reference, by_prompt[record.prompt_id], record.new_ids).disagreements
+        assert record.quality["reference_disagreements"] == expected
+    for row in result.summary:
+        runs = [r for r in result.records if r.arm == row["arm"] and row["category"] in ("all", r.category)]
+        wrong = sum(r.quality["reference_disagreements"] for r in runs)
+        assert row["reference_agreement"] == pytest.approx(1 - wrong / row["tokens"])
+    assert "float32 agr." in result.markdown()
+    plain = run_bench(router, PROMPTS[:1], cfg, progress=False)  # no reference: no column, no field
+    assert plain.summary[0]["reference_agreement"] is None and "float32 agr." not in plain.markdown()
+
+
+def test_a_cost_table_gone_stale_is_measured_again_between_runs_not_inside_one(monkeypatch):
+    router = tiny_router(high_conf_threshold=0.07)
+    events: list[str] = []
+    costs, generate = router.costs, router.generate
+    monkeypatch.setattr(router, "costs", lambda *a, **k: (events.append("costs"), costs(*a, **k))[1])
+    monkeypatch.setattr(router, "generate", lambda *a, **k: (events.append("generate"), generate(*a, **k))[1])
+    cfg = BenchConfig(max_new_tokens=4, thresholds=(), prompt_lookup_num_tokens=0, assistant_early_exit=(),
+                      ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
+    run_bench(router, PROMPTS[:2], cfg, progress=False)
+    runs = [k for k, e in enumerate(events) if e == "generate"]
+    assert runs and all(events[k - 1] == "costs" for k in runs)  # the bench's own check, just before each run
+
+
+def test_with_prepacked_weights_the_loop_alone_is_reported_as_their_gain_not_as_a_noise_band():
+    from early_exit_router.bench.report import format_markdown
+
+    result = run_bench(tiny_router(), PROMPTS[:1], BenchConfig(max_new_tokens=4, thresholds=(), warmup=False,
+                       repeats=1, prompt_lookup_num_tokens=0, assistant_early_exit=()), progress=False)  # fmt: skip
+    assert result.meta["packed_weights"] == 0 and "Noise band" in result.markdown()
+    packed = format_markdown({**result.meta, "packed_weights": 211}, result.summary)
+    assert "Noise band" not in packed and "The decode loop alone, from prepacked weights, ran at" in packed
+
+
+def test_from_pretrained_pays_the_first_calls_costs_at_load_and_keeps_nothing_of_it(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path / "cache"))
+    warm = EarlyExitRouter.from_pretrained(str(tiny_folder), exit_layers=[1, 3])
+    assert warm._measured is not None  # the cost table is ready before the first call
+    assert warm._ngram_store is None and warm.last_stats is None  # the throw-away decode left nothing behind
+    cold = EarlyExitRouter.from_pretrained(str(tiny_folder), exit_layers=[1, 3], warm_up=False)
+    assert cold._measured is None
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
+    assert torch.equal(warm.generate(ids, 8, mode="verify").sequences, cold.generate(ids, 8, mode="verify").sequences)

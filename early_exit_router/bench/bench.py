@@ -39,7 +39,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from early_exit_router.bench.compute import ComputeMeter
-from early_exit_router.bench.metrics import first_divergence, nll_ratio, rouge_l, teacher_forced_score, token_match
+from early_exit_router.bench.quality import score_quality
 from early_exit_router.bench.report import format_markdown, plot_tradeoff
 from early_exit_router.bench.timing import ArrivalStreamer, latencies, peak_memory_mb, reset_peak_memory
 
@@ -213,9 +213,16 @@ class BenchResult:
 
 
 def run_bench(
-    router: Any, prompts: Sequence[dict[str, Any]], cfg: BenchConfig | None = None, progress: bool = True
+    router: Any,
+    prompts: Sequence[dict[str, Any]],
+    cfg: BenchConfig | None = None,
+    progress: bool = True,
+    reference: torch.nn.Module | None = None,
 ) -> BenchResult:
-    """Run every arm of `build_arms(router, cfg)` on every prompt (records: id, category, kind, prompt)."""
+    """Run every arm of `build_arms(router, cfg)` on every prompt (records: id, category, kind, prompt).
+
+    `reference`: the same base model at a higher precision (fp32 beside a bf16 bench): every output is also scored
+    by its teacher-forced agreement with that model, the quality a lower-precision arm is held to."""
     from tqdm.auto import tqdm
 
     cfg = cfg or BenchConfig()
@@ -247,8 +254,10 @@ def run_bench(
             bar.close()
     finally:
         hf_logging.set_verbosity(verbosity)
-    _score_quality(router, prompts, encoded, records)
+    score_quality(router, prompts, encoded, records, reference, control_arm=CONTROL)
     meta = _meta(router, cfg, prompts)
+    if reference is not None:
+        meta["reference_dtype"] = str(next(reference.parameters()).dtype).replace("torch.", "")
     return BenchResult(meta, arms, records, summarize(records, arms))
 
 
@@ -284,6 +293,10 @@ def _measure(
     runner: _Runner, arm: Arm, item: dict, ids: torch.Tensor, repeat: int, meter: ComputeMeter, call: int = 0
 ) -> RunRecord:
     """One run; `call` > 0: a later call of a sequence (the router keeps its n-gram store from the earlier ones)."""
+    if arm.kind == "router" and runner.router.config.policy == "cost":
+        # A cost table that the timed steps no longer fit (the machine's load changed) is measured again on the next
+        # decoder's creation: here, outside every arm's time and compute, not inside the next router run.
+        runner.router.costs()
     reset_peak_memory(runner.device)
     meter.reset()
     new_ids, stats, wall, arrivals = runner.run(arm, ids, keep_store=call > 0)
@@ -309,41 +322,6 @@ def _measure(
         compute_ratio=compute,
         stats=stats,
     )
-
-
-def _score_quality(router: Any, prompts: Sequence[dict], encoded: list[torch.Tensor], records: list[RunRecord]) -> None:
-    """Quality of every record against the control's output on the same prompt, and under the full model."""
-    by_prompt = {item["id"]: ids[0].tolist() for item, ids in zip(prompts, encoded)}
-    control = {r.prompt_id: r.new_ids for r in records if r.arm == CONTROL and r.repeat == 0}
-    scores: dict[tuple, Any] = {}
-    tokenizer = router.tokenizer
-    with router.disabled() as model:
-        for r in records:
-            key = (r.prompt_id, tuple(r.new_ids))
-            if key not in scores:
-                scores[key] = teacher_forced_score(model, by_prompt[r.prompt_id], r.new_ids)
-            reference = control[r.prompt_id]
-            ref_key = (r.prompt_id, tuple(reference))
-            if ref_key not in scores:
-                scores[ref_key] = teacher_forced_score(model, by_prompt[r.prompt_id], reference)
-            score, ref_score = scores[key], scores[ref_key]
-            if tokenizer is not None:
-                rouge = rouge_l(
-                    tokenizer.decode(reference, skip_special_tokens=True),
-                    tokenizer.decode(r.new_ids, skip_special_tokens=True),
-                )
-            else:
-                rouge = rouge_l(reference, r.new_ids)
-            r.quality = {
-                "identical": r.new_ids == reference,
-                "token_match": token_match(reference, r.new_ids),
-                "first_divergence": first_divergence(reference, r.new_ids),
-                "teacher_forced_agreement": score.agreement,
-                "disagreements": score.disagreements,
-                "mean_nll": score.mean_nll,
-                "nll_ratio": nll_ratio(score.mean_nll, ref_score.mean_nll),
-                "rouge_l": rouge,
-            }
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -408,11 +386,20 @@ def summarize(records: list[RunRecord], arms: list[Arm]) -> list[dict[str, Any]]
                     "token_match": _mean([r.quality["token_match"] for r in runs]),
                     "first_divergence_median": statistics.median(divergences) if divergences else None,
                     "teacher_forced_agreement": 1 - sum(r.quality["disagreements"] for r in runs) / max(1, tokens),
+                    "reference_agreement": _reference_agreement(runs, tokens),
                     "nll_ratio": _mean([r.quality["nll_ratio"] for r in runs]),
                     "rouge_l": _mean([r.quality["rouge_l"] for r in runs]),
                 }
             )
     return rows
+
+
+def _reference_agreement(runs: list[RunRecord], tokens: int) -> float | None:
+    """Teacher-forced agreement of the runs' tokens with the reference model (None without one)."""
+    counts = [r.quality.get("reference_disagreements") for r in runs]
+    if not counts or None in counts:
+        return None
+    return 1 - sum(counts) / max(1, tokens)
 
 
 def _sum_counts(counts: list[dict[str, int]]) -> dict[str, int]:
@@ -453,6 +440,7 @@ def _meta(router: Any, cfg: BenchConfig, prompts: Sequence[dict]) -> dict[str, A
         "device": str(device),
         "dtype": str(stack.dtype).replace("torch.", ""),
         "weights": sorted(stack.weight_formats()),  # quantized bases: every arm runs the same quantized model
+        "packed_weights": len(stack.packed_weights or ()),  # router arms' products from prepacked weights
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "num_layers": stack.num_layers,

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from early_exit_router.cli.options import (
     add_load_options,
     add_router_options,
     float_list,
     int_list,
+    load_options,
     router_overrides,
     str_list,
 )
@@ -60,6 +62,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bench.add_argument(
         "--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens; 0 skips (default: %(default)s)."
     )
+    bench.add_argument(
+        "--reference-dtype",
+        default="auto",
+        choices=["auto", "float32", "none"],
+        help="Also score every output by its teacher-forced agreement with the same base model loaded in this dtype "
+        "(auto: float32 when --dtype or --quantize lowers the precision; none: skip).",
+    )
     bench.add_argument("--out", default="bench-results", help="Folder for bench.json and bench.png.")
     add_load_options(bench)
     bench.add_argument("--quiet", action="store_true", help="No progress bar.")
@@ -71,9 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.bench.bench import BenchConfig, run_bench
     from early_exit_router.training.corpus import DEV_PROMPTS, load_prompts
 
-    router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **router_overrides(args)
-    )
+    router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     print(router.describe(), file=sys.stderr)
     cfg = BenchConfig(
         max_new_tokens=args.max_new_tokens,
@@ -91,9 +98,24 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, shipped=DEV_PROMPTS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = run_bench(router, prompts, cfg, progress=not args.quiet)
+    result = run_bench(router, prompts, cfg, progress=not args.quiet, reference=_reference_model(args, router))
     print(result.markdown())
     result.write_json(out / "bench.json")
     result.plot(out / "bench.png")
     print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
     return 0
+
+
+def _reference_model(args: argparse.Namespace, router: Any) -> Any:
+    """The base model again in float32 (dense) when the bench runs it at a lower precision: the model whose
+    judgement a bf16 or quantized arm is held to."""
+    import torch
+
+    from early_exit_router.models.loading import load_base_model
+
+    wanted = args.reference_dtype
+    lowered = router.stack.dtype != torch.float32 or args.quantize is not None
+    if wanted == "none" or (wanted == "auto" and not lowered):
+        return None
+    model, _, _ = load_base_model(router.name_or_path, torch.float32, args.device, None)
+    return model.eval()

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from early_exit_router.cli.options import add_load_options, add_router_options, int_list, router_overrides
+from early_exit_router.cli.options import add_load_options, add_router_options, int_list, load_options, router_overrides
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -35,9 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.bench.batch_bench import BatchBenchConfig, run_batch_bench
     from early_exit_router.training.corpus import DEV_PROMPTS, load_prompts
 
-    router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **router_overrides(args)
-    )
+    router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     cfg = BatchBenchConfig(tuple(args.batch_sizes), args.max_new_tokens, args.repeats)
     result = run_batch_bench(router, load_prompts(args.prompts, shipped=DEV_PROMPTS), cfg)
     print(result.markdown())

@@ -7,7 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-from early_exit_router.cli.options import add_load_options, add_router_options, float_list, router_overrides
+from early_exit_router.cli.options import (
+    add_load_options,
+    add_router_options,
+    float_list,
+    load_options,
+    router_overrides,
+)
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -71,9 +77,7 @@ def run(args: argparse.Namespace) -> int:
         speed_tie_z=args.speed_tie_z,
         max_new_tokens=args.max_new_tokens,
     )
-    router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **router_overrides(args)
-    )
+    router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     print(router.describe(), file=sys.stderr)
     calibration, heldout = split_prompts(load_prompts(args.prompts, shipped=CALIBRATION_PROMPTS))
     result = calibrate(router, calibration, heldout, cfg, progress=not args.quiet)

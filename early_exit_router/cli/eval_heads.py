@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.training.head_report import as_dicts, exit_signals, format_table, quality_table
     from early_exit_router.training.hidden_states import build_cache
 
-    router = EarlyExitRouter.from_pretrained(args.model, **router_overrides(args))
+    router = EarlyExitRouter.from_pretrained(args.model, warm_up=False, **router_overrides(args))
     print(router.describe(), file=sys.stderr)
     tok = router.tokenizer
     if tok is None:

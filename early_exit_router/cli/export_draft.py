@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
     from early_exit_router.integrations.export import export_draft
 
-    router = EarlyExitRouter.from_pretrained(args.model)
+    router = EarlyExitRouter.from_pretrained(args.model, warm_up=False)
     print(router.describe(), file=sys.stderr)
     result = export_draft(router, args.exit_layer, args.out)
     print(

@@ -8,7 +8,13 @@ import sys
 import time
 from typing import Any
 
-from early_exit_router.cli.options import DEFAULT_PROMPT, add_load_options, add_router_options, router_overrides
+from early_exit_router.cli.options import (
+    DEFAULT_PROMPT,
+    add_load_options,
+    add_router_options,
+    load_options,
+    router_overrides,
+)
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -62,9 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
     from early_exit_router.bench.metrics import first_divergence
 
-    router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **router_overrides(args)
-    )
+    router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     print(router.describe(), file=sys.stderr)
     chat = args.chat and router.tokenizer is not None and bool(getattr(router.tokenizer, "chat_template", None))
     input_ids = router.encode(args.prompt, chat=chat)

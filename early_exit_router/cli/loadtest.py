@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from early_exit_router.cli.options import add_load_options, add_router_options, router_overrides
+from early_exit_router.cli.options import add_load_options, add_router_options, load_options, router_overrides
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -36,9 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
     from early_exit_router.training.corpus import DEV_PROMPTS, load_prompts
 
-    router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **router_overrides(args)
-    )
+    router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     if router.config.policy == "cost":
         router.costs()  # measured (or loaded) before the load, not inside a request
     prompts = [p["prompt"] for p in load_prompts(args.prompts, shipped=DEV_PROMPTS)]

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from early_exit_router.cli.options import add_load_options, add_router_options, router_overrides
+from early_exit_router.cli.options import add_load_options, add_router_options, load_options, router_overrides
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -32,9 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.context < 2:
         raise ValueError(f"--context must be at least 2 positions, got {args.context}.")
-    router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **router_overrides(args)
-    )
+    router = EarlyExitRouter.from_pretrained(args.model, warm_up=False, **load_options(args), **router_overrides(args))
     budget = memory_budget(router, args.context)
     report: dict[str, Any] = budget.to_dict()
     if args.measure:

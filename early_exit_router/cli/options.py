@@ -88,7 +88,8 @@ def shipped_router_config() -> dict[str, Any]:
 
 
 def add_load_options(parser: argparse.ArgumentParser) -> None:
-    """--dtype and --device, for commands whose speed or numbers depend on where the model runs."""
+    """--dtype, --device, --quantize and --no-pack-weights, for commands whose speed or numbers depend on where and
+    how the model runs (`load_options` reads them back)."""
     parser.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="Model dtype (default: float32)."
     )
@@ -100,6 +101,19 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
         help="Load the base quantized: torchao weight-only int8/int4 (any device) or bitsandbytes (CUDA). In bench "
         "every arm, the plain HF control included, runs the same quantized model.",
     )
+    parser.add_argument(
+        "--no-pack-weights",
+        dest="pack_weights",
+        action="store_false",
+        help="Keep the router's passes on the model's own matrix products where they would run from prepacked "
+        "weights (bfloat16 on CPUs that compute it natively: the same numbers, faster, at one more copy of the "
+        "weights' memory).",
+    )
+
+
+def load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The from_pretrained arguments add_load_options added: dtype, device, quantize, pack_weights."""
+    return {"dtype": args.dtype, "device": args.device, "quantize": args.quantize, "pack_weights": args.pack_weights}
 
 
 def router_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from early_exit_router.cli.options import add_load_options, add_router_options, router_overrides
+from early_exit_router.cli.options import add_load_options, add_router_options, load_options, router_overrides
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -30,9 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.routing.ngram import Proposal
     from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy
 
-    router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **router_overrides(args)
-    )
+    router = EarlyExitRouter.from_pretrained(args.model, warm_up=False, **load_options(args), **router_overrides(args))
     costs = router.costs(refresh=args.refresh)
     if args.json:
         print(json.dumps(costs.to_dict(), indent=2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from early_exit_router.cli.options import add_load_options, add_router_options, router_overrides
+from early_exit_router.cli.options import add_load_options, add_router_options, load_options, router_overrides
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -64,9 +64,7 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     from early_exit_router.api import EarlyExitRouter
 
-    router = EarlyExitRouter.from_pretrained(
-        args.model, dtype=args.dtype, device=args.device, quantize=args.quantize, **router_overrides(args)
-    )
+    router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
     settings = ServerSettings(  # the app measures (or loads) the cost table at start-up, before any request
         model_name=args.served_model_name or args.model,

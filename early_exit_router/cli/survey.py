@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from early_exit_router.cli.options import add_load_options, int_list
+from early_exit_router.cli.options import add_load_options, int_list, load_options
 from early_exit_router.config import ADAPTER_KINDS
 from early_exit_router.models.loading import DEFAULT_MODEL
 
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.training.sequences import corpus_sequences
     from early_exit_router.training.survey import format_survey, survey_exits
 
-    router = EarlyExitRouter.from_pretrained(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+    router = EarlyExitRouter.from_pretrained(args.model, warm_up=False, **load_options(args))
     stack = router.stack
     layers = args.layers or list(range(stack.num_layers - 1))
     bad = [e for e in layers if not 0 <= e < stack.num_layers - 1]

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = router_overrides(args)
-    router = EarlyExitRouter.from_pretrained(args.model, fresh_heads=True, **overrides)
+    router = EarlyExitRouter.from_pretrained(args.model, fresh_heads=True, warm_up=False, **overrides)
     print(router.describe(), file=sys.stderr)
     cfg = TrainingConfig(
         max_steps=args.max_steps,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from early_exit_router.models import _compat
+from early_exit_router.models.packed import PackedLinears, packing_supported
 
 POSITION_STYLES = ("rotary_shared", "rotary_per_layer_type", "learned")
 # Inputs a family's decoder layer requires that the stack does not compute, and the config flag under which the layer
@@ -128,6 +129,28 @@ class LayerStack:
         self._softcap = (
             getattr(self.config, spec.final_logit_softcapping_attr, None) if spec.final_logit_softcapping_attr else None
         )
+        self._layer_linears = [[m for m in layer.modules() if isinstance(m, nn.Linear)] for layer in self.layers]
+        self._packed: PackedLinears | None = None  # see `use_packed_weights`
+        self._packing: tuple[bool, torch.device, torch.dtype] = (False, self.device, self.dtype)
+
+    def use_packed_weights(self, enabled: bool = True) -> str | None:
+        """Run the layers' and the LM head's products from prepacked weights where that is bitwise exact and faster
+        (bf16 on CPUs that compute it natively: `packed.py`), at the memory of one more copy of those weights; a
+        model later moved or cast is packed again for its new place. Returns why they are not used (None: they are)."""
+        self._packed = None
+        self._packing = (enabled, self.device, self.dtype)
+        reason = "switched off" if not enabled else packing_supported(self.device, self.dtype)
+        if reason is None:
+            self._packed = PackedLinears([m for group in self._layer_linears for m in group] + [self.lm_head])
+        return reason
+
+    @property
+    def packed_weights(self) -> PackedLinears | None:
+        """The prepacked weights in use (None: the modules' own products)."""
+        enabled, device, dtype = self._packing
+        if enabled and (device, dtype) != (self.device, self.dtype):  # the user moved or cast the model
+            self.use_packed_weights(True)
+        return self._packed
 
     def _inputs_passed_as_none(self) -> dict[str, None]:
         """The inputs the layers require but the stack does not compute (`OPTIONAL_LAYER_INPUTS`), as None; a config
@@ -223,6 +246,21 @@ class LayerStack:
     ) -> torch.Tensor:
         if start >= stop:
             return hidden
+        packed = self.packed_weights
+        if packed is not None:
+            with packed.active([m for j in range(start, stop) for m in self._layer_linears[j]]):
+                return self._run_layers(hidden, start, stop, cache, positions, attention_mask)
+        return self._run_layers(hidden, start, stop, cache, positions, attention_mask)
+
+    def _run_layers(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        stop: int,
+        cache: Any,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         masks: dict[str, Any] = {}
         rotary: dict[str, Any] = {}
         for layer_idx in range(start, stop):
@@ -279,6 +317,10 @@ class LayerStack:
         return self.unembed(self.final_norm(_pad_rows(hidden, pad_to)))[:, :q]
 
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
+        packed = self.packed_weights
+        if packed is not None:
+            with packed.active((self.lm_head,)):
+                return self.finish_logits(self.lm_head(normed))
         return self.finish_logits(self.lm_head(normed))
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -225,6 +225,7 @@ def cost_key(stack: Any, draft_vocab_size: int) -> dict[str, Any]:
         "device": f"{device.type}:{name}",
         "dtype": str(stack.dtype).replace("torch.", ""),
         "weights": sorted(stack.weight_formats()),  # a quantized base has costs of its own
+        "packed_weights": len(stack.packed_weights or ()),  # products from prepacked weights cost less
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -1,0 +1,87 @@
+"""Prepacked weights (`models/packed.py`): the same numbers as the model's own products, a model left untouched, and
+a weight changed in place packed again. They are used on CPUs that compute bf16 natively; elsewhere these tests
+check that nothing is packed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from early_exit_router import EarlyExitRouter
+from early_exit_router.models.packed import PackedLinears, packing_supported
+
+from .conftest import tiny_llama, tiny_tokenizer
+
+SUPPORTED = packing_supported(torch.device("cpu"), torch.bfloat16) is None
+needs_packing = pytest.mark.skipif(not SUPPORTED, reason="this CPU does not compute bfloat16 natively")
+
+
+def bf16_router(**kwargs) -> EarlyExitRouter:
+    model = tiny_llama(0, dtype=torch.bfloat16)
+    return EarlyExitRouter.from_model(model, tiny_tokenizer(), exit_layers=[1, 3], **kwargs)
+
+
+def test_packing_is_used_only_for_bfloat16_on_a_cpu_that_computes_it():
+    assert packing_supported(torch.device("cpu"), torch.float32) is not None
+    assert packing_supported(torch.device("meta"), torch.bfloat16) == "not a CPU"
+    fp32 = EarlyExitRouter.from_model(tiny_llama(0), tiny_tokenizer(), exit_layers=[1, 3])
+    assert fp32.stack.packed_weights is None
+    assert (bf16_router().stack.packed_weights is not None) == SUPPORTED
+    assert bf16_router(pack_weights=False).stack.packed_weights is None
+
+
+@needs_packing
+def test_packed_passes_give_the_models_numbers_bitwise_and_leave_no_trace_on_it():
+    router = bf16_router()
+    stack, model = router.stack, router.model
+    packed = stack.packed_weights
+    assert len(packed) == sum(isinstance(m, nn.Linear) for m in model.modules())  # every layer's and the head
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([[3, 17, 5, 9, 40, 41, 42, 3, 17]])
+    with torch.no_grad():
+        hidden = stack.embed(ids)
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        got = stack.logits(stack.run(hidden, 0, stack.num_layers, stack.new_cache(), positions))
+        stack.use_packed_weights(False)
+        want = stack.logits(stack.run(hidden, 0, stack.num_layers, stack.new_cache(), positions))
+        stack.use_packed_weights(True)
+    assert torch.equal(got, want)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # every swapped forward put back
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    for mode in ("verify", "exit"):
+        outputs = []
+        for on in (True, False):
+            stack.use_packed_weights(on)
+            outputs.append(router.generate(ids, 12, mode=mode).sequences)
+        assert torch.equal(*outputs), mode
+
+
+@needs_packing
+def test_a_weight_changed_in_place_is_packed_again_and_gradients_take_the_modules_own_product():
+    linear = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    packed = PackedLinears([linear])
+    x = torch.randn(1, 3, 64).to(torch.bfloat16)
+    with torch.no_grad(), packed.active([linear]):
+        before = linear(x)
+        assert torch.equal(before, nn.functional.linear(x, linear.weight, linear.bias))
+    with torch.no_grad():
+        linear.weight.mul_(2)  # in place: the version counter moves
+        with packed.active([linear]):
+            after = linear(x)
+    assert torch.equal(after, nn.functional.linear(x, linear.weight, linear.bias)) and not torch.equal(after, before)
+    with packed.active([linear]):
+        y = linear(x)  # gradients enabled: the module's own forward
+    assert y.requires_grad
+    assert "forward" not in linear.__dict__
+
+
+@needs_packing
+def test_a_model_cast_to_float32_stops_packing_and_unpatch_frees_the_copies():
+    router = bf16_router()
+    router.model.to(torch.float32)
+    assert router.stack.packed_weights is None  # packing pays for bf16 only
+    router.model.to(torch.bfloat16)
+    assert router.stack.packed_weights is not None  # packed again for the model's new dtype
+    router.unpatch()
+    assert router.stack.packed_weights is None
