@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import operator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from importlib import resources
@@ -246,31 +247,24 @@ class LayerStack:
     ) -> torch.Tensor:
         if start >= stop:
             return hidden
-        packed = self.packed_weights
-        if packed is not None:
-            with packed.active([m for j in range(start, stop) for m in self._layer_linears[j]]):
-                return self._run_layers(hidden, start, stop, cache, positions, attention_mask)
-        return self._run_layers(hidden, start, stop, cache, positions, attention_mask)
-
-    def _run_layers(
-        self,
-        hidden: torch.Tensor,
-        start: int,
-        stop: int,
-        cache: Any,
-        positions: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
         masks: dict[str, Any] = {}
         rotary: dict[str, Any] = {}
-        for layer_idx in range(start, stop):
-            kind = self.mask_kinds[layer_idx]
-            if kind not in masks:
-                # Sized against this layer's cache: deep layers may hold fewer positions than shallow ones.
-                masks[kind] = _compat.build_mask(kind, self.config, hidden, cache, positions, layer_idx, attention_mask)
-                rotary[kind] = self._position_embeddings(hidden, positions, kind)
-            hidden = self._call_layer(self.layers[layer_idx], hidden, masks[kind], positions, rotary[kind], cache)
+        with self._products([m for j in range(start, stop) for m in self._layer_linears[j]]):
+            for layer_idx in range(start, stop):
+                kind = self.mask_kinds[layer_idx]
+                if kind not in masks:
+                    # Sized against this layer's cache: deep layers may hold fewer positions than shallow ones.
+                    masks[kind] = _compat.build_mask(
+                        kind, self.config, hidden, cache, positions, layer_idx, attention_mask
+                    )
+                    rotary[kind] = self._position_embeddings(hidden, positions, kind)
+                hidden = self._call_layer(self.layers[layer_idx], hidden, masks[kind], positions, rotary[kind], cache)
         return hidden
+
+    def _products(self, linears: list[nn.Module]) -> AbstractContextManager[None]:
+        """The scope in which `linears` compute: from their prepacked weights where those are used."""
+        packed = self.packed_weights
+        return nullcontext() if packed is None else packed.active(linears)
 
     def run_module(
         self,
@@ -317,11 +311,8 @@ class LayerStack:
         return self.unembed(self.final_norm(_pad_rows(hidden, pad_to)))[:, :q]
 
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
-        packed = self.packed_weights
-        if packed is not None:
-            with packed.active((self.lm_head,)):
-                return self.finish_logits(self.lm_head(normed))
-        return self.finish_logits(self.lm_head(normed))
+        with self._products([self.lm_head]):
+            return self.finish_logits(self.lm_head(normed))
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """What the family does to the LM head's output: a logit multiplier (Cohere, Granite) or soft-capping
