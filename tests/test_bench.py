@@ -270,7 +270,9 @@ def test_a_lower_precision_bench_scores_every_output_against_the_model_at_float3
     router = EarlyExitRouter.from_model(tiny_llama(0).to(torch.bfloat16), tiny_tokenizer(), **MIXED_CONFIG)
     cfg = BenchConfig(max_new_tokens=6, thresholds=(0.05,), prompt_lookup_num_tokens=3, assistant_early_exit=(),
                       ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
-    result = run_bench(router, PROMPTS[:2], cfg, progress=False, reference=reference)
+    loads = []
+    result = run_bench(router, PROMPTS[:2], cfg, progress=False, reference=lambda: loads.append(1) or reference)
+    assert loads == [1]  # loaded once, after the timed runs
     assert result.meta["dtype"] == "bfloat16" and result.meta["reference_dtype"] == "float32"
     by_prompt = {item["id"]: router.encode(item["prompt"], chat=item["kind"] == "chat")[0].tolist() for item in PROMPTS}
     from early_exit_router.bench.metrics import teacher_forced_score
@@ -319,3 +321,21 @@ def test_from_pretrained_pays_the_first_calls_costs_at_load_and_keeps_nothing_of
     assert cold._measured is None
     ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
     assert torch.equal(warm.generate(ids, 8, mode="verify").sequences, cold.generate(ids, 8, mode="verify").sequences)
+
+
+def test_the_bench_command_scores_against_float32_exactly_when_the_precision_is_lowered():
+    from types import SimpleNamespace
+
+    from early_exit_router.cli.bench import _reference_dtype
+
+    def router(dtype):
+        return SimpleNamespace(stack=SimpleNamespace(dtype=dtype))
+
+    def args(reference="auto", quantize=None):
+        return SimpleNamespace(reference_dtype=reference, quantize=quantize)
+
+    assert _reference_dtype(args(), router(torch.bfloat16)) == "float32"
+    assert _reference_dtype(args(quantize="int8"), router(torch.float32)) == "float32"
+    assert _reference_dtype(args(), router(torch.float32)) is None
+    assert _reference_dtype(args("none"), router(torch.bfloat16)) is None
+    assert _reference_dtype(args("float32"), router(torch.float32)) == "float32"

@@ -30,7 +30,7 @@ import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,12 +217,13 @@ def run_bench(
     prompts: Sequence[dict[str, Any]],
     cfg: BenchConfig | None = None,
     progress: bool = True,
-    reference: torch.nn.Module | None = None,
+    reference: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
 ) -> BenchResult:
     """Run every arm of `build_arms(router, cfg)` on every prompt (records: id, category, kind, prompt).
 
-    `reference`: the same base model at a higher precision (fp32 beside a bf16 bench): every output is also scored
-    by its teacher-forced agreement with that model, the quality a lower-precision arm is held to."""
+    `reference`: the same base model at a higher precision (fp32 beside a bf16 bench), or a function that loads it
+    (called after the timed runs, so its memory stays out of theirs): every output is also scored by its
+    teacher-forced agreement with that model, the quality a lower-precision arm is held to."""
     from tqdm.auto import tqdm
 
     cfg = cfg or BenchConfig()
@@ -254,6 +255,8 @@ def run_bench(
             bar.close()
     finally:
         hf_logging.set_verbosity(verbosity)
+    if reference is not None and not isinstance(reference, torch.nn.Module):
+        reference = reference()
     score_quality(router, prompts, encoded, records, reference, control_arm=CONTROL)
     meta = _meta(router, cfg, prompts)
     if reference is not None:

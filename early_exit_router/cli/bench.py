@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, shipped=DEV_PROMPTS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = run_bench(router, prompts, cfg, progress=not args.quiet, reference=_reference_model(args, router))
+    reference = None if _reference_dtype(args, router) is None else lambda: _reference_model(args, router)
+    result = run_bench(router, prompts, cfg, progress=not args.quiet, reference=reference)
     print(result.markdown())
     result.write_json(out / "bench.json")
     result.plot(out / "bench.png")
@@ -106,16 +107,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reference_dtype(args: argparse.Namespace, router: Any) -> str | None:
+    """The dtype outputs are also scored in: float32 where the bench lowers the precision (or --reference-dtype)."""
+    import torch
+
+    lowered = router.stack.dtype != torch.float32 or args.quantize is not None
+    if args.reference_dtype == "none" or (args.reference_dtype == "auto" and not lowered):
+        return None
+    return "float32"
+
+
 def _reference_model(args: argparse.Namespace, router: Any) -> Any:
-    """The base model again in float32 (dense) when the bench runs it at a lower precision: the model whose
-    judgement a bf16 or quantized arm is held to."""
+    """The base model again in float32, dense: the model whose judgement a bf16 or quantized arm is held to."""
     import torch
 
     from early_exit_router.models.loading import load_base_model
 
-    wanted = args.reference_dtype
-    lowered = router.stack.dtype != torch.float32 or args.quantize is not None
-    if wanted == "none" or (wanted == "auto" and not lowered):
-        return None
     model, _, _ = load_base_model(router.name_or_path, torch.float32, args.device, None)
     return model.eval()
