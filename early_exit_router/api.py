@@ -505,9 +505,7 @@ class EarlyExitRouter:
         once per machine) and every kernel's first call (one throw-away verify decode of `new_tokens` tokens over a
         repeating prompt, so drafts are verified too). Nothing of it stays: the n-gram store and `last_stats` are
         as they were."""
-        with self.lock:
-            if self.config.policy == "cost":
-                self.costs()
+        with self.lock:  # the decoder the decode builds reads (or measures) the cost table
             store, last = self._ngram_store, self.last_stats
             self._ngram_store = None
             try:

@@ -232,8 +232,6 @@ def run_bench(
     if cfg.repeats < 1 or cfg.max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {cfg.repeats} and {cfg.max_new_tokens}.")
     arms = build_arms(router, cfg)
-    if router.config.policy == "cost":
-        router.costs()  # measured (or loaded) before any arm runs, so that no arm's time or compute includes it
     runner = _Runner(router, cfg.max_new_tokens)
     encoded = [_encode(router, p) for p in prompts]
     records: list[RunRecord] = []
@@ -297,8 +295,8 @@ def _measure(
 ) -> RunRecord:
     """One run; `call` > 0: a later call of a sequence (the router keeps its n-gram store from the earlier ones)."""
     if arm.kind == "router" and runner.router.config.policy == "cost":
-        # A cost table that the timed steps no longer fit (the machine's load changed) is measured again on the next
-        # decoder's creation: here, outside every arm's time and compute, not inside the next router run.
+        # The cost table is measured (or loaded) here, outside every arm's time and compute, not inside a router run:
+        # before the first, and again when the timed steps no longer fit it (the machine's load changed).
         runner.router.costs()
     reset_peak_memory(runner.device)
     meter.reset()

@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, shipped=DEV_PROMPTS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    reference = None if _reference_dtype(args, router) is None else lambda: _reference_model(args, router)
+    dtype = _reference_dtype(args, router)
+    reference = None if dtype is None else lambda: _reference_model(args, router, dtype)
     result = run_bench(router, prompts, cfg, progress=not args.quiet, reference=reference)
     print(result.markdown())
     result.write_json(out / "bench.json")
@@ -117,11 +118,9 @@ def _reference_dtype(args: argparse.Namespace, router: Any) -> str | None:
     return "float32"
 
 
-def _reference_model(args: argparse.Namespace, router: Any) -> Any:
-    """The base model again in float32, dense: the model whose judgement a bf16 or quantized arm is held to."""
-    import torch
+def _reference_model(args: argparse.Namespace, router: Any, dtype: str) -> Any:
+    """The base model again in `dtype`, dense: the model whose judgement a bf16 or quantized arm is held to."""
+    from early_exit_router.models.loading import load_base_model, parse_dtype
 
-    from early_exit_router.models.loading import load_base_model
-
-    model, _, _ = load_base_model(router.name_or_path, torch.float32, args.device, None)
+    model, _, _ = load_base_model(router.name_or_path, parse_dtype(dtype), args.device, None)
     return model.eval()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import operator
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
 from functools import lru_cache
@@ -249,7 +250,7 @@ class LayerStack:
             return hidden
         masks: dict[str, Any] = {}
         rotary: dict[str, Any] = {}
-        with self._products([m for j in range(start, stop) for m in self._layer_linears[j]]):
+        with self._products(m for j in range(start, stop) for m in self._layer_linears[j]):
             for layer_idx in range(start, stop):
                 kind = self.mask_kinds[layer_idx]
                 if kind not in masks:
@@ -261,8 +262,9 @@ class LayerStack:
                 hidden = self._call_layer(self.layers[layer_idx], hidden, masks[kind], positions, rotary[kind], cache)
         return hidden
 
-    def _products(self, linears: list[nn.Module]) -> AbstractContextManager[None]:
-        """The scope in which `linears` compute: from their prepacked weights where those are used."""
+    def _products(self, linears: Iterable[nn.Module]) -> AbstractContextManager[None]:
+        """The scope in which `linears` compute: from their prepacked weights where those are used (`linears` is
+        walked only then)."""
         packed = self.packed_weights
         return nullcontext() if packed is None else packed.active(linears)
 
@@ -311,7 +313,7 @@ class LayerStack:
         return self.unembed(self.final_norm(_pad_rows(hidden, pad_to)))[:, :q]
 
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
-        with self._products([self.lm_head]):
+        with self._products((self.lm_head,)):
             return self.finish_logits(self.lm_head(normed))
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ compared bitwise with `F.linear` once before it is used.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -112,7 +112,7 @@ class PackedLinears:
         return self._exact[shape]
 
     @contextmanager
-    def active(self, modules: Sequence[nn.Module]) -> Iterator[None]:
+    def active(self, modules: Iterable[nn.Module]) -> Iterator[None]:
         """Within the block, `modules` that have a packed copy run from it; every `forward` is put back after."""
         swapped: list[nn.Module] = []
         try:
