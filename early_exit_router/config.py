@@ -268,6 +268,13 @@ class DraftingOptions:
         },
     )
     ngram_draft: int = field(default=8, metadata={"help": "Most tokens the n-gram tier proposes at once."})
+    ngram_tree_nodes: int = field(
+        default=16,
+        metadata={
+            "help": "Verify mode, one greedy sequence: draft up to this many tokens as a tree of every continuation "
+            "the n-gram matches found, verified in one pass (the cost policy picks how many pay). Below 2: chains."
+        },
+    )
     ngram_unverified: bool = field(
         default=False,
         metadata={
@@ -295,7 +302,7 @@ class DraftingOptions:
         if self.exit_acceptance_prior is not None:
             _check_unit_interval("exit_acceptance_prior", self.exit_acceptance_prior)
         _check_integers(self, {"probe_interval": 0, "ngram_size": 2, "ngram_min_size": 1, "ngram_draft": 1,
-                               "ngram_store_tokens": 0})  # fmt: skip
+                               "ngram_store_tokens": 0, "ngram_tree_nodes": 0})  # fmt: skip
         if self.ngram_min_size > self.ngram_size:
             raise ValueError(
                 f"ngram_min_size ({self.ngram_min_size}) is above ngram_size ({self.ngram_size}): set min <= size."

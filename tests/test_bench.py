@@ -354,3 +354,31 @@ def test_the_bench_command_scores_against_float32_exactly_when_the_precision_is_
     assert _reference_dtype(args(), router(torch.float32)) is None
     assert _reference_dtype(args("none"), router(torch.bfloat16)) is None
     assert _reference_dtype(args("float32"), router(torch.float32)) == "float32"
+
+
+def test_a_sampled_bench_gives_every_arm_the_same_seed_per_prompt():
+    import zlib
+
+    router = tiny_router(high_conf_threshold=0.07)
+    arms = dict(
+        thresholds=(), modes=("verify",), prompt_lookup_num_tokens=3, assistant_early_exit=(), fixed_cascade=False
+    )
+    cfg = BenchConfig(max_new_tokens=8, warmup=False, repeats=1, temperature=0.7, **arms)
+    result = run_bench(router, PROMPTS[:2], cfg, progress=False)
+    assert result.meta["decoding"] == "sampled at temperature 0.7" and "sampled at temperature 0.7" in result.markdown()
+    by_arm = {(r.arm, r.prompt_id): r.new_ids for r in result.records}
+    for item in PROMPTS[:2]:
+        ids = router.encode(item["prompt"], chat=item["kind"] == "chat")
+        seed = zlib.crc32(f"{item['id']}:0".encode())
+        with router.disabled() as model:
+            torch.manual_seed(seed)
+            plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=True,
+                                   temperature=0.7, top_k=0, top_p=1.0)[0, ids.shape[1] :].tolist()  # fmt: skip
+        assert by_arm[(CONTROL, item["id"])] == plain  # HF sampling from the prompt's seed
+        # the decode loop alone draws exactly what HF draws from the same seed, so the seed is shared for real
+        assert by_arm[(ENGINE_CONTROL, item["id"])] == plain
+        routed = router.generate(ids, 8, mode="verify", do_sample=True, temperature=0.7, top_k=0, top_p=1.0, seed=seed)
+        router.clear_ngram_store()
+        assert by_arm[("router verify (loaded config)", item["id"])] == routed.sequences[0, ids.shape[1] :].tolist()
+    with pytest.raises(ValueError, match="temperature"):
+        run_bench(router, PROMPTS[:1], BenchConfig(temperature=-1.0), progress=False)

@@ -46,3 +46,34 @@ def test_second_token_distribution_matches_the_full_model(draft_vocab_size):
     assert drafted_tokens == runs  # every second token was a draft that the final fill verified
     assert total_variation(drafted, exact) > 0.4  # the test has power: unverified drafts would be far off
     assert total_variation(empirical, exact) < 0.12, total_variation(empirical, exact)
+
+
+def test_copied_drafts_keep_the_full_models_law():
+    """The n-gram tier's drafts are copies (a point mass each): the rule accepts a copy x with probability p(x) and
+    otherwise draws from p without x, so the second token's law is still the full model's."""
+    model = tiny_llama(1, peaky=20.0)
+    temperature = 0.7
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[None]  # every token once
+    n = ids.shape[1]
+    follows = {int(a): int(b) for a, b in zip(ids[0, :-1], ids[0, 1:])}  # what the tier copies after each token
+    with torch.no_grad():
+        p1 = torch.softmax(model(ids).logits[0, -1].double() / temperature, -1)
+        both = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)
+        p2 = torch.softmax(model(both).logits[:, -1].double() / temperature, -1)  # (vocab, vocab)
+    exact = p1 @ p2
+    copied = torch.zeros(VOCAB, dtype=torch.float64)
+    for first, p in enumerate(p1.tolist()):
+        copied[follows.get(first, first)] += p  # the last prompt token is followed by nothing: no draft there
+    router = EarlyExitRouter.from_model(
+        model, exit_layers=[2], active_exit_layers=[], ngram_min_size=1, ngram_store_tokens=0
+    )
+    runs = 1500
+    counts = torch.zeros(VOCAB, dtype=torch.float64)
+    drafted = 0
+    for seed in range(runs):
+        out = router.generate(ids, max_new_tokens=2, mode="verify", do_sample=True, temperature=temperature, seed=seed)
+        counts[out.sequences[0, n + 1]] += 1
+        drafted += out.stats.drafts_judged
+    assert drafted >= 0.9 * runs  # nearly every second token was a copied draft the deep pass judged
+    assert total_variation(copied, exact) > 0.4  # the test has power: unverified copies would be far off
+    assert total_variation(counts / runs, exact) < 0.12, total_variation(counts / runs, exact)

@@ -29,6 +29,7 @@ import os
 import platform
 import statistics
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -75,6 +76,9 @@ class BenchConfig:
     assistant_early_exit: tuple[int, ...] | None = None  # None: the deepest exit layer + 1; () skips the arm
     prompt_lookup_num_tokens: int = 10  # 0 skips the arm
     warmup: bool = True
+    # > 0: every arm samples at this temperature (no top-k or top-p), each prompt and repeat from one seed; the
+    # outputs then differ between arms by chance, and speed is what compares
+    temperature: float = 0.0
 
 
 def threshold_overrides(threshold: float) -> dict[str, float | None]:
@@ -144,14 +148,21 @@ class RunRecord:
 class _Runner:
     """Runs one arm on one prompt, leaving the router's config as it found it."""
 
-    def __init__(self, router: Any, max_new_tokens: int) -> None:
+    def __init__(self, router: Any, max_new_tokens: int, temperature: float = 0.0) -> None:
         self.router = router
         self.max_new_tokens = max_new_tokens
         self.device = router.stack.device
+        self.temperature = temperature
 
-    def run(self, arm: Arm, ids: torch.Tensor, keep_store: bool = False) -> tuple[list[int], dict | None, float, list]:
-        """Generate with `arm`; returns new token ids, router stats, wall seconds, streamer arrivals."""
+    def run(
+        self, arm: Arm, ids: torch.Tensor, keep_store: bool = False, seed: int = 0
+    ) -> tuple[list[int], dict | None, float, list]:
+        """Generate with `arm` (sampling from `seed` at the runner's temperature, if any); returns new token ids,
+        router stats, wall seconds, streamer arrivals."""
         router, n = self.router, ids.shape[1]
+        sampling = {}
+        if self.temperature > 0:
+            sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
         streamer = ArrivalStreamer()
         start = time.perf_counter()
         if arm.kind == "router":
@@ -161,17 +172,19 @@ class _Runner:
             if not keep_store:
                 router.clear_ngram_store()
             config = router.config.replace(**arm.overrides)  # per call: router.config is never swapped
-            out = router.generate(ids, self.max_new_tokens, mode=arm.mode, config=config, streamer=streamer)
+            out = router.generate(ids, self.max_new_tokens, mode=arm.mode, config=config, streamer=streamer,
+                                  **sampling, **({"seed": seed} if sampling else {}))  # fmt: skip
             new_ids, stats = out.sequences[0, n:].tolist(), out.stats.to_dict()
         else:
+            if sampling:
+                torch.manual_seed(seed)  # HF samples from the global generator
             with router.disabled() as model, torch.no_grad():
                 out = model.generate(
                     ids,
                     attention_mask=torch.ones_like(ids),
                     max_new_tokens=self.max_new_tokens,
-                    do_sample=False,
                     streamer=streamer,
-                    **arm.hf_kwargs,
+                    **{"do_sample": False, **sampling, **arm.hf_kwargs},
                 )
             new_ids, stats = out[0, n:].tolist(), None
         wall = time.perf_counter() - start
@@ -232,7 +245,9 @@ def run_bench(
     if cfg.repeats < 1 or cfg.max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {cfg.repeats} and {cfg.max_new_tokens}.")
     arms = build_arms(router, cfg)
-    runner = _Runner(router, cfg.max_new_tokens)
+    if cfg.temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {cfg.temperature}.")
+    runner = _Runner(router, cfg.max_new_tokens, cfg.temperature)
     encoded = [_encode(router, p) for p in prompts]
     records: list[RunRecord] = []
     verbosity = hf_logging.get_verbosity()
@@ -300,7 +315,8 @@ def _measure(
         runner.router.costs()
     reset_peak_memory(runner.device)
     meter.reset()
-    new_ids, stats, wall, arrivals = runner.run(arm, ids, keep_store=call > 0)
+    seed = zlib.crc32(f"{item['id']}:{repeat}".encode())  # the same for every arm
+    new_ids, stats, wall, arrivals = runner.run(arm, ids, keep_store=call > 0, seed=seed)
     count = meter.reset()
     decode_steps = len(new_ids) - 1
     compute = None
@@ -449,6 +465,6 @@ def _meta(router: Any, cfg: BenchConfig, prompts: Sequence[dict]) -> dict[str, A
         "cost_model": router.costs().to_dict() if router.config.policy == "cost" else None,
         "bench_config": asdict(cfg),
         "prompts": len(prompts),
-        "decoding": "greedy",
+        "decoding": f"sampled at temperature {cfg.temperature}" if cfg.temperature > 0 else "greedy",
         "peak_memory": "peak allocated CUDA memory" if device.type == "cuda" else "process resident high-water mark",
     }

@@ -1,9 +1,9 @@
 """What the n-gram tier's proposal costs per decoding step at a long context (`early-exit-router profile`).
 
 A step asks the tier for a proposal once per row: the context's own match (`routing.ngram.ContextIndex`) and the
-router's store (`SuffixStore`), then appends the step's tokens. Both are indexes, so the cost should not grow with
-the context; this times it on a synthetic context of `context` tokens and a full store, to report beside the plain
-step it must stay small against.
+router's store (`SuffixStore`), with the token tree of every continuation found where trees are drafted, then appends
+the step's tokens. Both are indexes, so the cost should not grow with the context; this times it on a synthetic
+context of `context` tokens and a full store, to report beside the plain step it must stay small against.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import time
 from dataclasses import dataclass
 
 from early_exit_router.config import RouterConfig
-from early_exit_router.routing.ngram import ContextIndex, SuffixStore, ngram_match, prefer_stored
+from early_exit_router.decode.drafters import TREE_OCCURRENCES
+from early_exit_router.routing.ngram import ContextIndex, SuffixStore, ngram_match, prefer_stored, propose_tree
 
 
 @dataclass
 class ProposalCost:
     context: int
-    index_ms: float  # per step, with the index (what the decoder does)
+    index_ms: float  # per step, with the index (a chain's proposal)
+    tree_ms: float  # per step, with the index and the proposal's token tree (verify mode, one greedy sequence)
     scan_ms: float  # per step, scanning the context instead (`ngram_match`: the cost the index removes)
     build_ms: float  # indexing the prompt, once per call
 
@@ -50,11 +52,14 @@ def measure_proposal_cost(config: RouterConfig, context: int = 8192, steps: int 
         grown, times = list(tokens), []
         for token in upcoming:
             start = time.perf_counter()
-            prefer_stored(propose(grown), store, grown, config.ngram_draft)
+            propose(grown)
             times.append(time.perf_counter() - start)
             grown.append(token)
         return statistics.median(times) * 1000
 
-    index_ms = per_step(lambda grown: index.lookup(grown, config.ngram_draft))
-    scan_ms = per_step(lambda grown: ngram_match(grown, config.ngram_size, config.ngram_draft, config.ngram_min_size))
-    return ProposalCost(context, index_ms, scan_ms, build_ms)
+    d = config.ngram_draft
+    index_ms = per_step(lambda grown: prefer_stored(index.lookup(grown, d), store, grown, d))
+    tree_ms = per_step(lambda grown: propose_tree(index, store, grown, d, TREE_OCCURRENCES))
+    scan = per_step(lambda grown: prefer_stored(ngram_match(grown, config.ngram_size, d, config.ngram_min_size),
+                                               store, grown, d))  # fmt: skip
+    return ProposalCost(context, index_ms, tree_ms, scan, build_ms)

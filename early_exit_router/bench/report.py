@@ -19,7 +19,8 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
         f"model: {meta['model']}",
         f"machine: {meta['machine']}; {meta['dtype']}, weights {'+'.join(meta.get('weights', ['dense']))}; "
         f"torch {meta['torch']}, transformers {meta['transformers']}",
-        f"{meta['prompts']} prompts, {meta['bench_config']['max_new_tokens']} new tokens max, greedy, "
+        f"{meta['prompts']} prompts, {meta['bench_config']['max_new_tokens']} new tokens max, "
+        f"{meta.get('decoding', 'greedy')}, "
         f"{meta['bench_config']['repeats']} repeat(s); speedup = tokens/s over the control's in the same run; "
         "compute = decode multiply-adds per token over the full model's; exits = share of tokens per shallow "
         "depth; agreement = teacher-forced agreement with the full model; NLL = full-model NLL of the output over "

@@ -69,6 +69,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="Also score every output by its teacher-forced agreement with the same base model loaded in this dtype "
         "(auto: float32 when --dtype or --quantize lowers the precision; none: skip).",
     )
+    bench.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="Sample every arm at this temperature (no top-k or top-p; one seed per prompt shared by the arms); "
+        "0 decodes greedily (default).",
+    )
     bench.add_argument("--out", default="bench-results", help="Folder for bench.json and bench.png.")
     add_load_options(bench)
     bench.add_argument("--quiet", action="store_true", help="No progress bar.")
@@ -91,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         fixed_cascade=not args.no_fixed_cascade,
         assistant_early_exit=None if args.assistant_early_exit is None else tuple(args.assistant_early_exit),
         prompt_lookup_num_tokens=args.prompt_lookup,
+        temperature=args.temperature,
     )
     for mode in cfg.modes:
         if mode not in MODES:

@@ -25,9 +25,18 @@ from early_exit_router.heads.exit_heads import ExitHeads
 from early_exit_router.heads.gates import gate_probability, uses_head
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.routing.gate_context import context_features
-from early_exit_router.routing.ngram import NO_PROPOSAL, ContextIndex, Proposal, SuffixStore, prefer_stored
+from early_exit_router.routing.ngram import (
+    NO_PROPOSAL,
+    ContextIndex,
+    Proposal,
+    SuffixStore,
+    prefer_stored,
+    propose_tree,
+)
+from early_exit_router.routing.token_tree import TokenTree
 
 NGRAM_LAYER = -1  # exit-histogram key of the zero-layer n-gram tier
+TREE_OCCURRENCES = 8  # earlier occurrences per source whose continuations a token tree merges
 
 
 class SuffixDrafter:
@@ -41,14 +50,21 @@ class SuffixDrafter:
         """A fresh index of one context (`Row.index`), for this tier's n-gram sizes."""
         return ContextIndex(self.config.ngram_size, self.config.ngram_min_size)
 
-    def propose(self, tokens: list[int], index: ContextIndex, budget: int) -> tuple[Proposal, int]:
+    def propose(
+        self, tokens: list[int], index: ContextIndex, budget: int, tree: bool = False
+    ) -> tuple[Proposal, int, TokenTree | None]:
         """Up to `budget` tokens to follow `tokens` (indexed by `index`): the longer match of the context and the
-        store (on a tie, the longer proposal; then the context's). Also returns the token the context's own match
-        copies first (-1: none), which a gate reads."""
+        store (on a tie, the longer proposal; then the context's); with `tree`, also the token tree of every
+        continuation found (`ngram.propose_tree`). Also returns the token the context's own match copies first
+        (-1: none), which a gate reads."""
         if budget <= 0:
-            return NO_PROPOSAL, -1
+            return NO_PROPOSAL, -1, None
         found = index.lookup(tokens, budget)
-        return prefer_stored(found, self.store, tokens, budget), (found.tokens[0] if found.tokens else -1)
+        copy = found.tokens[0] if found.tokens else -1
+        if tree:
+            proposal, token_tree = propose_tree(index, self.store, tokens, budget, TREE_OCCURRENCES)
+            return proposal, copy, token_tree
+        return prefer_stored(found, self.store, tokens, budget), copy, None
 
     def remember(self, tokens: list[int]) -> None:
         """A finished sequence (prompt and output) for later calls to copy from."""

@@ -16,17 +16,29 @@ from early_exit_router.decode.drafters import NGRAM_LAYER
 from early_exit_router.decode.emit import append, choose, embed, row_ids
 from early_exit_router.decode.state import DecodeState, Draft, Row, VerifyCycle
 from early_exit_router.heads.gates import uses_head
-from early_exit_router.routing.ngram import ContextIndex, Proposal
+from early_exit_router.routing.ngram import NO_PROPOSAL, ContextIndex, Proposal
 from early_exit_router.routing.policy import TierKey
 
 
-def propose_ngram(dec: DecodeState, row: Row, budget: int) -> Proposal:
-    """The n-gram tier's proposal for `row` (up to `budget` tokens); the scan also tells the gates what the context
-    copies here."""
-    proposal, copy = dec.suffix.propose(row.tokens, context_index(dec, row), budget)
+def propose_ngram(dec: DecodeState, row: Row, budget: int, tree: bool = False) -> Proposal:
+    """The n-gram tier's proposal for `row` (up to `budget` tokens; with `tree`, its token tree goes to `row.tree`);
+    the scan also tells the gates what the context copies here."""
+    proposal, copy, row.tree = dec.suffix.propose(row.tokens, context_index(dec, row), budget, tree)
     if budget > 0:
         row.ngram_memo = (len(row.tokens), copy)
     return proposal
+
+
+def propose_rows(dec: DecodeState, budgets: list[int], trees: bool) -> list[Proposal | None]:
+    """Each row's n-gram proposal for a planned cycle (None: a finished row; nothing where the tier is off or the
+    row's budget is spent), and with `trees` its token tree in `row.tree`."""
+    proposals: list[Proposal | None] = []
+    for row, budget in zip(dec.rows, budgets):
+        row.tree = None
+        tier = dec.config.ngram_tier and budget > 0 and not row.done
+        proposal = propose_ngram(dec, row, min(dec.config.ngram_draft, budget), trees) if tier else NO_PROPOSAL
+        proposals.append(None if row.done else proposal)
+    return proposals
 
 
 def context_index(dec: DecodeState, row: Row) -> ContextIndex:

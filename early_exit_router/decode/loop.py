@@ -33,7 +33,7 @@ from early_exit_router.decode import batch as batching
 from early_exit_router.decode.batch import Slots
 from early_exit_router.decode.deep import deep_pass, flush, head
 from early_exit_router.decode.drafters import ExitDrafter, SuffixDrafter
-from early_exit_router.decode.drafting import append_ngram, probe_exits, propose_ngram, try_exit
+from early_exit_router.decode.drafting import append_ngram, probe_exits, propose_ngram, propose_rows, try_exit
 from early_exit_router.decode.emit import append, choose, embed, settle
 from early_exit_router.decode.sampling import TokenSelector
 from early_exit_router.decode.segments import LayerwiseFill
@@ -46,6 +46,7 @@ from early_exit_router.decode.stats import (
     decode_stats,
 )
 from early_exit_router.decode.stopping import DecodeRequest, StreamFrontier
+from early_exit_router.decode.tree import tree_supported, verify_tree
 from early_exit_router.heads.adapters import needs_context
 from early_exit_router.heads.block import BlockContext
 from early_exit_router.heads.exit_heads import ExitHeads
@@ -53,7 +54,7 @@ from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.routing.costs import CostModel
 from early_exit_router.routing.exit_rule import FULL_DEPTH, ExitRule
-from early_exit_router.routing.ngram import NO_PROPOSAL, Proposal, SuffixStore
+from early_exit_router.routing.ngram import SuffixStore
 from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Plan
 
 BATCH_DESIGNS = ("synchronous", "per_row")
@@ -274,6 +275,9 @@ class Decoder(DecodeState):
             name = self.plan.kind if self.plan.kind != "exit" else f"exit L{self.exits[self.plan.tier]}"
             self.passes.plan_counts[name] = self.passes.plan_counts.get(name, 0) + 1
         plan = self.plan
+        if plan.kind == "tree":  # drafted and verified in this one step
+            self.plan = None
+            return verify_tree(self, plan.tree)
         if plan.kind == "ngram" and self.cycle_drafts == 0:
             self.cycle_drafts = append_ngram(self, list(plan.proposals))
             return
@@ -304,18 +308,16 @@ class Decoder(DecodeState):
     def _choose_plan(self) -> Plan:
         """This cycle's plan, from each row's n-gram proposal and the policy (without one: every proposal in full)."""
         budgets = [self._draft_budget(row) for row in self.rows]
-        proposals: list[Proposal | None] = []
-        for row, budget in zip(self.rows, budgets):
-            tier = self.config.ngram_tier and budget > 0 and not row.done
-            proposal = propose_ngram(self, row, min(self.config.ngram_draft, budget)) if tier else NO_PROPOSAL
-            proposals.append(None if row.done else proposal)
+        trees = self.policy is not None and tree_supported(self)
+        proposals = propose_rows(self, budgets, trees)
         if self.policy is not None:
-            plan = self.policy.plan(self.tracker, max(budgets), proposals, exits=self._exits_draft())
+            tree = self.rows[0].tree if trees else None
+            plan = self.policy.plan(self.tracker, max(budgets), proposals, exits=self._exits_draft(), tree=tree)
         else:
             longest = max((len(p.tokens) for p in proposals if p is not None), default=0)
             plan = Plan("ngram", longest, proposals=tuple(proposals)) if longest else Plan("plain")
         for row, proposal in zip(self.rows, proposals):  # judged after the deep pass, drafted or not
-            keep = plan.kind != "exit" and proposal is not None and bool(proposal.tokens)
+            keep = plan.kind in ("plain", "ngram") and proposal is not None and bool(proposal.tokens)
             row.proposal, row.drafted = proposal if keep else None, 0
         return plan
 

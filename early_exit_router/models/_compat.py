@@ -149,6 +149,19 @@ def build_mask(
     )
 
 
+def tree_attention_mask(config: Any, allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """A custom (b, 1, q, kv) attention mask from `allowed` (b, q, kv) booleans, in the form the model's attention
+    implementation reads: booleans for sdpa, 0 / the dtype's minimum added to the scores for eager; None for the
+    implementations that take no custom mask (flash attention, ...). The mask builders pass a 4D mask on as it is."""
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation == "sdpa":
+        return allowed[:, None]
+    if implementation == "eager":
+        blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return blocked.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    return None
+
+
 def check_supported() -> None:
     """Raise a clear error on a transformers release whose APIs this package does not speak."""
     params = inspect.signature(masking_utils.create_causal_mask).parameters
@@ -223,6 +236,19 @@ def gather_cache_slots(cache: Any, index: torch.Tensor) -> None:
             states = getattr(layer, name)  # (b, heads, slots, dim)
             take = index[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
             setattr(layer, name, states.gather(2, take))
+
+
+def keep_slots_after(cache: Any, first: int, slots: list[int]) -> None:
+    """Every layer keeps its slots before `first`, then `slots` (each >= `first`, increasing), and nothing else: a
+    verified token tree's path moved next to the context. Copies only the path's entries."""
+    in_place = slots == list(range(first, first + len(slots)))
+    for layer_idx, layer in enumerate(cache.layers):
+        if not in_place:
+            index = torch.tensor(slots, device=layer.keys.device)
+            for name in ("keys", "values"):
+                states = getattr(layer, name)  # (b, heads, slots, dim)
+                states[:, :, first : first + len(slots)] = states.index_select(2, index)
+        crop_cache_layer(cache, layer_idx, first + len(slots))
 
 
 def add_legacy_config_fields(path: Path) -> None:

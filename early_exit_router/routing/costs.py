@@ -158,6 +158,11 @@ class CostModel:
         m = rows * width
         return self.num_layers * self._at(self.layer_ms, m) + self._at(self.head_ms, m)
 
+    def tree_pass_ms(self, width: int) -> float:
+        """Every layer over one row of `width` positions, unpadded (a tree's mask covers its own positions only),
+        and the full head over them."""
+        return self.num_layers * self._at(self.layer_ms, width) + self.head(width)
+
     def plain_step(self) -> float:
         """One token of plain decoding: every layer for one position, one head row."""
         return self.layers(self.num_layers, 1) + self.head(1)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
+from early_exit_router.routing.token_tree import TokenTree, build_tree
+
 
 class Proposal(NamedTuple):
     """What the n-gram tier proposes: the tokens, and the length of the match behind them (0: no match)."""
@@ -82,6 +84,23 @@ class ContextIndex:
                 return Proposal(tokens[end : end + max_draft], n)
         return NO_PROPOSAL
 
+    def continuations(self, tokens: list[int], max_draft: int, limit: int) -> list[tuple[list[int], int]]:
+        """What followed up to `limit` earlier occurrences of the context's suffixes, each with the length of the
+        suffix that matched there: the longest suffix's occurrences first, then shorter ones' at other positions,
+        latest first at each length (the first is `lookup`'s proposal)."""
+        self._catch_up(tokens)
+        found: list[tuple[list[int], int]] = []
+        seen: set[int] = set()
+        for n in self.sizes:
+            ends = self.ends.get(tuple(tokens[-n:])) if len(tokens) > n else None
+            for j in range(len(ends) - 2 if ends else -1, -1, -1):  # the last entry is the suffix itself
+                if len(found) == limit:
+                    return found
+                if ends[j] not in seen:
+                    seen.add(ends[j])
+                    found.append((tokens[ends[j] : ends[j] + max_draft], n))
+        return found
+
 
 def prefer_stored(found: Proposal, store: SuffixStore | None, tokens: list[int], budget: int) -> Proposal:
     """The n-gram tier's proposal: the longer match of the context's (`found`, from `ngram_match`) and the store's
@@ -91,6 +110,25 @@ def prefer_stored(found: Proposal, store: SuffixStore | None, tokens: list[int],
         if (stored[1], len(stored[0])) > (found[1], len(found[0])):
             return stored
     return found
+
+
+def propose_tree(
+    index: ContextIndex, store: SuffixStore | None, tokens: list[int], budget: int, limit: int
+) -> tuple[Proposal, TokenTree | None]:
+    """The tier's proposal and its tree: what followed up to `limit` occurrences of the context's suffixes in the
+    context and as many in the store. The first path is `prefer_stored`'s proposal (the longest match, latest); an
+    occurrence weighs half as much for each token its match is shorter than that one's."""
+    found = index.continuations(tokens, budget, limit)
+    stored = store.continuations(tokens, budget, limit) if store is not None else []
+    if not found and not stored:
+        return NO_PROPOSAL, None
+
+    def lead(c: list[tuple[list[int], int]]) -> tuple[int, int]:
+        return (c[0][1], len(c[0][0])) if c else (0, 0)
+
+    ordered = stored + found if lead(stored) > lead(found) else found + stored
+    first, match = ordered[0]
+    return Proposal(list(first), match), build_tree([(c, 0.5 ** (match - n)) for c, n in ordered], match)
 
 
 def ngram_lookup(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: int = 2) -> list[int]:
@@ -111,7 +149,8 @@ class SuffixStore:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self._sequences: OrderedDict[int, list[int]] = OrderedDict()
-        self._index: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (sequence id, position after it)
+        # n-gram -> (sequence id, position after it) of each occurrence, oldest first
+        self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         self._next_id = 0
         self.num_tokens = 0
 
@@ -120,7 +159,8 @@ class SuffixStore:
 
     @property
     def index_size(self) -> int:
-        return len(self._index)
+        """Entries in the index: one per indexed n-gram occurrence."""
+        return sum(len(hits) for hits in self._index.values())
 
     def add(self, tokens: list[int]) -> None:
         """Remember a finished sequence (prompt and output)."""
@@ -145,17 +185,26 @@ class SuffixStore:
     def _index_sequence(self, seq_id: int, tokens: list[int]) -> None:
         for n in range(self.min_ngram, self.max_ngram + 1):
             for end in range(n, len(tokens)):  # a continuation must exist after the n-gram
-                self._index[tuple(tokens[end - n : end])] = (seq_id, end)  # later occurrences win
+                self._index.setdefault(tuple(tokens[end - n : end]), []).append((seq_id, end))
 
     def lookup(self, tokens: list[int], max_draft: int) -> Proposal:
-        """What followed the longest suffix of `tokens` in a stored sequence, and the match length ([] , 0: none)."""
+        """What followed the longest suffix of `tokens` in a stored sequence (its latest occurrence), and the match
+        length ([] , 0: none)."""
+        found = self.continuations(tokens, max_draft, 1)
+        return Proposal(*found[0]) if found else NO_PROPOSAL
+
+    def continuations(self, tokens: list[int], max_draft: int, limit: int) -> list[tuple[list[int], int]]:
+        """`ContextIndex.continuations` over the stored sequences: what followed up to `limit` stored occurrences of
+        the suffixes of `tokens`, longest suffix first, latest first at each length, with the match lengths."""
+        found: list[tuple[list[int], int]] = []
+        seen: set[tuple[int, int]] = set()
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(tokens) < n:
-                continue
-            hit = self._index.get(tuple(tokens[-n:]))
-            if hit is not None:
-                seq_id, end = hit
-                proposal = self._sequences[seq_id][end : end + max_draft]
-                if proposal:
-                    return Proposal(proposal, n)
-        return NO_PROPOSAL
+            hits = self._index.get(tuple(tokens[-n:])) if len(tokens) >= n else None
+            for j in range(len(hits) - 1 if hits else -1, -1, -1):
+                if len(found) == limit:
+                    return found
+                if hits[j] not in seen:
+                    seen.add(hits[j])
+                    seq_id, end = hits[j]
+                    found.append((self._sequences[seq_id][end : end + max_draft], n))
+        return found

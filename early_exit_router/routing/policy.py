@@ -33,8 +33,11 @@ from typing import Any
 
 from early_exit_router.routing.costs import CostModel
 from early_exit_router.routing.ngram import Proposal
+from early_exit_router.routing.token_tree import TokenTree
 
-TierKey = tuple[str, int]  # ("exit", exit index), ("ngram", match length); exit mode: ("ask", exit index)
+# ("exit", exit index), ("ngram", match length); ("branch", match length): a token tree's other continuations, once
+# the first is refused; exit mode: ("ask", exit index)
+TierKey = tuple[str, int]
 MARGIN = 0.03  # drafting must beat plain decoding by this share, so that a near-tie decodes plainly
 
 
@@ -64,14 +67,16 @@ class AcceptanceTracker:
 
 @dataclass(frozen=True)
 class Plan:
-    """What one draft cycle does: 'plain' (no draft), 'ngram' (each row drafts its `proposals` entry) or 'exit'
-    (exit index `tier`, up to `max_draft` tokens)."""
+    """What one draft cycle does: 'plain' (no draft), 'ngram' (each row drafts its `proposals` entry), 'tree' (one
+    row verifies the n-gram tier's `tree` of `max_draft` nodes) or 'exit' (exit index `tier`, up to `max_draft`
+    tokens)."""
 
     kind: str
     max_draft: int = 0
     tier: int = -1
     key: TierKey | None = None
     proposals: tuple[Proposal | None, ...] = ()  # n-gram plans: per row, its drafts and their match (None: no row)
+    tree: TokenTree | None = None  # 'tree' plans (one row): the nodes to verify in one pass
     rate: float = 0.0  # expected tokens per ms
 
 
@@ -86,6 +91,7 @@ class DraftPolicy:
         margin: float = MARGIN,
         has_block: list[bool] | None = None,
         check_share: float = 1.0,
+        tree_nodes: int = 0,
     ) -> None:
         self.costs = costs
         self.exit_layers = list(exit_layers)
@@ -93,6 +99,7 @@ class DraftPolicy:
         self.has_block = list(has_block) if has_block is not None else [False] * len(self.exit_layers)
         self.margin = margin
         self.check_share = check_share  # exit mode: the share of exited tokens the fill checks (one head row each)
+        self.tree_nodes = tree_nodes  # most nodes a token tree may verify in one pass
         self.plain_rate = 1.0 / costs.plain_step()
         # Exit mode consults this on every token at every exit; the table is fixed, so it is worked out once.
         self._break_even = [self.break_even_exit_rate(i) for i in range(len(self.exit_layers))]
@@ -105,7 +112,8 @@ class DraftPolicy:
         exits = config.consulted_exit_layers()
         gates = [config.use_gate and heads.gate(e) is not None for e in exits]
         check = config.check_fraction if config.check_agreement else 0.0
-        return cls(costs, exits, gates, has_block=[needs_context(heads.adapter(e)) for e in exits], check_share=check)
+        blocks = [needs_context(heads.adapter(e)) for e in exits]
+        return cls(costs, exits, gates, has_block=blocks, check_share=check, tree_nodes=config.ngram_tree_nodes)
 
     def consult_ms(self, i: int) -> float:
         """Asking exit `i` about one token: its draft head and gate, and a block adapter's layer."""
@@ -161,15 +169,38 @@ class DraftPolicy:
         """`best_length` for one tier at per-position acceptance `a`."""
         return cls.best_length(lambda d: expected_tokens(a, d), cycle_ms, max_draft)
 
+    def _tree_plan(self, tree: TokenTree, ab: tuple[float, float], floor: float) -> Plan | None:
+        """A tree plan where one beats `floor` tokens per ms: the k most likely nodes (k up to `tree_nodes`) whose
+        expected tokens (1 + the sum of their paths' acceptance probabilities, at the first children's and the
+        alternatives' acceptance `ab`) per ms of one unpadded pass over 1 + k positions is highest; only a tree that
+        still branches (a chain is drafted as one)."""
+        gain, top_k, top_rate = 1.0, 0, floor
+        for k, p in enumerate(sorted(tree.path_probabilities(*ab), reverse=True)[: self.tree_nodes], 1):
+            gain += p
+            rate = gain / self.costs.tree_pass_ms(k + 1)
+            if rate > top_rate:
+                top_k, top_rate = k, rate
+        if top_k:
+            kept = tree.top(top_k, *ab)
+            if kept.branches:
+                return Plan("tree", top_k, tree=kept, rate=top_rate)
+        return None
+
     def plan(
-        self, tracker: AcceptanceTracker, budget: int, proposals: Sequence[Proposal | None], exits: bool = True
+        self,
+        tracker: AcceptanceTracker,
+        budget: int,
+        proposals: Sequence[Proposal | None],
+        exits: bool = True,
+        tree: TokenTree | None = None,
     ) -> Plan:
         """The best plan for a cycle that may draft up to `budget` tokens (plain when nothing beats it).
 
         `proposals`: each row's n-gram proposal (a batch of one: one entry; None: a finished row, which drafts
         nothing and gains nothing). A pass over b rows and k + 1 slots yields each row its expected accepted
         drafts plus its own token; the exits draft only for a batch of one (`exits`), since on rectangular layers
-        a row that leaves early saves nothing while another needs the deep layers."""
+        a row that leaves early saves nothing while another needs the deep layers. `tree` (a batch of one): the
+        proposal's token tree, drafted instead of the chain where its likeliest nodes pay better (`_tree_plan`)."""
         rows = max(1, len(proposals))
         active = [p for p in proposals if p is not None] if proposals else [Proposal([], 0)]
         plain_rate = len(active) / self.costs.pass_ms(rows, 1)
@@ -187,6 +218,9 @@ class DraftPolicy:
         if rate > max(best.rate, threshold):
             cut = tuple(None if p is None else Proposal(p.tokens[:k], p.match) for p in proposals)
             best = Plan("ngram", k, proposals=cut, rate=rate)
+        if tree is not None and rows == 1 and tree.branches:
+            ab = estimates[0], tracker.estimate(("branch", tree.match))
+            best = self._tree_plan(tree, ab, max(best.rate, threshold)) or best
         for i in range(len(self.exit_layers) if exits and rows == 1 else 0):
             key: TierKey = ("exit", i)
             d, rate = self.best_draft(tracker.estimate(key), lambda d, i=i: self.exit_cycle_ms(i, d), budget)
