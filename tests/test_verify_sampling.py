@@ -14,13 +14,23 @@ def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
     return 0.5 * float((p - q).abs().sum())
 
 
+def second_token_law(router, ids: torch.Tensor, temperature: float, runs: int) -> tuple[torch.Tensor, int]:
+    """The second new token's empirical law over `runs` seeds of verify-mode sampling, and the drafts judged."""
+    counts = torch.zeros(VOCAB, dtype=torch.float64)
+    drafted = 0
+    for seed in range(runs):
+        out = router.generate(ids, max_new_tokens=2, mode="verify", do_sample=True, temperature=temperature, seed=seed)
+        counts[out.sequences[0, ids.shape[1] + 1]] += 1
+        drafted += out.stats.drafts_judged
+    return counts / runs, drafted
+
+
 @pytest.mark.parametrize("draft_vocab_size", [0, 48])
 def test_second_token_distribution_matches_the_full_model(draft_vocab_size):
     """Also with a trimmed draft head: q is zero outside its token set, and the rule still yields p."""
     model = tiny_llama(0, peaky=20.0)  # peaked laws: 1500 samples resolve them well (expected noise TV ~0.05)
     temperature = 0.5
     ids = prompt(0, length=4)
-    n = ids.shape[1]
     with torch.no_grad():
         p1 = torch.softmax(model(ids).logits[0, -1].double() / temperature, -1)  # (vocab,) first token, full model
         # Every possible first token, batched: the full model's and the exit-2 logit lens' second-token laws.
@@ -36,13 +46,7 @@ def test_second_token_distribution_matches_the_full_model(draft_vocab_size):
         model, exit_layers=[2], max_pending=10, **{**ALWAYS_EXIT, "draft_vocab_size": draft_vocab_size}
     )
     runs = 1500
-    counts = torch.zeros(VOCAB, dtype=torch.float64)
-    drafted_tokens = 0
-    for seed in range(runs):
-        out = router.generate(ids, max_new_tokens=2, mode="verify", do_sample=True, temperature=temperature, seed=seed)
-        counts[out.sequences[0, n + 1]] += 1
-        drafted_tokens += out.stats.drafts_judged
-    empirical = counts / runs
+    empirical, drafted_tokens = second_token_law(router, ids, temperature, runs)
     assert drafted_tokens == runs  # every second token was a draft that the final fill verified
     assert total_variation(drafted, exact) > 0.4  # the test has power: unverified drafts would be far off
     assert total_variation(empirical, exact) < 0.12, total_variation(empirical, exact)
@@ -54,7 +58,6 @@ def test_copied_drafts_keep_the_full_models_law():
     model = tiny_llama(1, peaky=20.0)
     temperature = 0.7
     ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[None]  # every token once
-    n = ids.shape[1]
     follows = {int(a): int(b) for a, b in zip(ids[0, :-1], ids[0, 1:])}  # what the tier copies after each token
     with torch.no_grad():
         p1 = torch.softmax(model(ids).logits[0, -1].double() / temperature, -1)
@@ -68,12 +71,7 @@ def test_copied_drafts_keep_the_full_models_law():
         model, exit_layers=[2], active_exit_layers=[], ngram_min_size=1, ngram_store_tokens=0
     )
     runs = 1500
-    counts = torch.zeros(VOCAB, dtype=torch.float64)
-    drafted = 0
-    for seed in range(runs):
-        out = router.generate(ids, max_new_tokens=2, mode="verify", do_sample=True, temperature=temperature, seed=seed)
-        counts[out.sequences[0, n + 1]] += 1
-        drafted += out.stats.drafts_judged
+    empirical, drafted = second_token_law(router, ids, temperature, runs)
     assert drafted >= 0.9 * runs  # nearly every second token was a copied draft the deep pass judged
     assert total_variation(copied, exact) > 0.4  # the test has power: unverified copies would be far off
-    assert total_variation(counts / runs, exact) < 0.12, total_variation(counts / runs, exact)
+    assert total_variation(empirical, exact) < 0.12, total_variation(empirical, exact)
