@@ -18,27 +18,29 @@ from early_exit_router.decode.state import DecodeState, Draft, Row, VerifyCycle
 from early_exit_router.heads.gates import uses_head
 from early_exit_router.routing.ngram import NO_PROPOSAL, ContextIndex, Proposal
 from early_exit_router.routing.policy import TierKey
+from early_exit_router.routing.token_tree import TokenTree
 
 
-def propose_ngram(dec: DecodeState, row: Row, budget: int, tree: bool = False) -> Proposal:
-    """The n-gram tier's proposal for `row` (up to `budget` tokens; with `tree`, its token tree goes to `row.tree`);
-    the scan also tells the gates what the context copies here."""
-    proposal, copy, row.tree = dec.suffix.propose(row.tokens, context_index(dec, row), budget, tree)
+def propose_ngram(dec: DecodeState, row: Row, budget: int, tree: bool = False) -> tuple[Proposal, TokenTree | None]:
+    """The n-gram tier's proposal for `row` (up to `budget` tokens) and, with `tree`, its token tree; the scan also
+    tells the gates what the context copies here."""
+    proposal, copy, token_tree = dec.suffix.propose(row.tokens, context_index(dec, row), budget, tree)
     if budget > 0:
         row.ngram_memo = (len(row.tokens), copy)
-    return proposal
+    return proposal, token_tree
 
 
-def propose_rows(dec: DecodeState, budgets: list[int], trees: bool) -> list[Proposal | None]:
+def propose_rows(dec: DecodeState, budgets: list[int], trees: bool) -> tuple[list[Proposal | None], TokenTree | None]:
     """Each row's n-gram proposal for a planned cycle (None: a finished row; nothing where the tier is off or the
-    row's budget is spent), and with `trees` its token tree in `row.tree`."""
+    row's budget is spent), and with `trees` (a batch of one) the row's token tree."""
     proposals: list[Proposal | None] = []
+    tree = None
     for row, budget in zip(dec.rows, budgets):
-        row.tree = None
-        tier = dec.config.ngram_tier and budget > 0 and not row.done
-        proposal = propose_ngram(dec, row, min(dec.config.ngram_draft, budget), trees) if tier else NO_PROPOSAL
+        proposal = NO_PROPOSAL
+        if dec.config.ngram_tier and budget > 0 and not row.done:
+            proposal, tree = propose_ngram(dec, row, min(dec.config.ngram_draft, budget), trees)
         proposals.append(None if row.done else proposal)
-    return proposals
+    return proposals, tree
 
 
 def context_index(dec: DecodeState, row: Row) -> ContextIndex:

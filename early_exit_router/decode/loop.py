@@ -309,9 +309,8 @@ class Decoder(DecodeState):
         """This cycle's plan, from each row's n-gram proposal and the policy (without one: every proposal in full)."""
         budgets = [self._draft_budget(row) for row in self.rows]
         trees = self.policy is not None and tree_supported(self)
-        proposals = propose_rows(self, budgets, trees)
+        proposals, tree = propose_rows(self, budgets, trees)
         if self.policy is not None:
-            tree = self.rows[0].tree if trees else None
             plan = self.policy.plan(self.tracker, max(budgets), proposals, exits=self._exits_draft(), tree=tree)
         else:
             longest = max((len(p.tokens) for p in proposals if p is not None), default=0)
@@ -332,7 +331,7 @@ class Decoder(DecodeState):
         exited tokens wait: the next deep pass fills those (final, only checked) and verifies the drafts after them."""
         row = self.rows[0]
         budget = min(self.config.ngram_draft, self._draft_budget(row))
-        proposal = propose_ngram(self, row, budget)
+        proposal, _ = propose_ngram(self, row, budget)
         if not proposal.tokens:
             return False
         append_ngram(self, [proposal])

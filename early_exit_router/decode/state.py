@@ -32,7 +32,6 @@ from early_exit_router.routing.costs import CostModel
 from early_exit_router.routing.exit_rule import ExitRule, RoutingState
 from early_exit_router.routing.ngram import ContextIndex, Proposal
 from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Plan, TierKey
-from early_exit_router.routing.token_tree import TokenTree
 
 
 @dataclass
@@ -68,7 +67,6 @@ class Row:
     logits: list[torch.Tensor] = field(default_factory=list)  # per new token, when requested
     drafts: dict[int, Draft] = field(default_factory=dict)
     proposal: Proposal | None = None  # this cycle's n-gram proposal (judged after the deep pass, drafted or not)
-    tree: TokenTree | None = None  # the token tree of the latest proposal, where one was asked for
     drafted: int = 0  # of it, the tokens drafted
     final: int = 0  # tokens (prompt included) that are final: no deep pass can replace them
     stop_at: int | None = None  # new tokens up to the one that ends generation (tentative until final)
