@@ -236,10 +236,8 @@ class DraftingOptions:
             "an exit that does not pay every this-many tokens). 0 never probes."
         },
     )
-    acceptance_prior: float = field(
-        default=0.5,
-        metadata={"help": "Cost policy: the acceptance estimate of a tier before any verdict (in [0, 1])."},
-    )
+    acceptance_prior: float = field(default=0.5, metadata={"help": "Cost policy: the acceptance estimate of a tier "
+                                    "before any verdict (in [0, 1])."})  # fmt: skip
     exit_acceptance_prior: float | None = field(
         default=None,
         metadata={
@@ -263,15 +261,18 @@ class DraftingOptions:
         default=2,
         metadata={
             "help": "Shortest suffix the n-gram tier matches. 1 also copies after a single repeated token: far more "
-            "proposals, far less reliable ones; the cost policy tracks acceptance per match length and drafts from "
-            "a length only where it pays."
+            "proposals, far less reliable ones; the cost policy tracks acceptance per match class and drafts from "
+            "a class only where it pays."
         },
     )
-    ngram_draft: int = field(default=8, metadata={"help": "Most tokens the n-gram tier proposes at once."})
+    ngram_draft: int = field(
+        default=32,
+        metadata={"help": "Most tokens the n-gram tier proposes at once (the cost policy drafts as many as pay)."},
+    )
     ngram_tree_nodes: int = field(
         default=16,
         metadata={
-            "help": "Verify mode, one greedy sequence: draft up to this many tokens as a tree of every continuation "
+            "help": "Verify mode, one sequence: draft up to this many tokens as a tree of every continuation "
             "the n-gram matches found, verified in one pass (the cost policy picks how many pay). Below 2: chains."
         },
     )
@@ -449,10 +450,7 @@ class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayou
     @classmethod
     def describe(cls) -> str:
         """One line per field, group by group: name, default, help."""
-        lines = []
-        for f in dataclasses.fields(cls):
-            lines.append(f"{f.name} (default {f.default!r}): {f.metadata['help']}")
-        return "\n".join(lines)
+        return "\n".join(f"{f.name} (default {f.default!r}): {f.metadata['help']}" for f in dataclasses.fields(cls))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -461,8 +459,7 @@ class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayou
     def from_dict(cls, data: dict[str, Any]) -> RouterConfig:
         data = dict(data)
         if "controller_target" in data:  # 0.1.0 steered the exit agreement; the target is now the output's
-            legacy = data.pop("controller_target")
-            data.setdefault("target_agreement", legacy)
+            data.setdefault("target_agreement", data.pop("controller_target"))
         unknown = sorted(set(data) - set(cls.field_names()))
         if unknown:
             raise ValueError(

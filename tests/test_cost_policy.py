@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+from early_exit_router.decode.stopping import DecodeRequest
 from early_exit_router.routing import costs
 from early_exit_router.routing.costs import CostModel, cost_model_for
 from early_exit_router.routing.ngram import NO_PROPOSAL, Proposal, SuffixStore
@@ -100,6 +102,49 @@ def test_steep_chunk_costs_with_low_acceptance_lead_to_plain_decoding():
     # ...and the same costs with near-certain copies do draft, but shorter than on flat costs
     plan = policy.plan(AcceptanceTracker(prior=0.97), 8, [Proposal(list(range(8)), 4)])
     assert plan.kind == "ngram" and 1 <= plan.max_draft
+
+
+def test_a_copy_under_way_is_its_own_match_class():
+    from early_exit_router.routing.ngram import RUN_LIMIT, ContextIndex, match_class, ngram_match
+
+    span = list(range(100, 140))
+    tokens = span + [1] + span[:20]  # copying the span again, 20 tokens in
+    found = ngram_match(tokens, 4, 30)
+    assert found == (span[20:] + [1] + span[:9], 4, 20) and found.match_class == 16
+    assert ContextIndex(4, 2).lookup(tokens, 30) == found
+    assert ngram_match(span + [1] + span, 4, 8).run == RUN_LIMIT  # counted back no further
+    assert ngram_match([7, *span[:4], 8, *span[:4]], 4, 2) == ([8, span[0]], 4, 4)  # agrees over the match only
+    assert [match_class(r) for r in (2, 4, 7, 8, 15, 16, 31, 32)] == [2, 4, 7, 8, 8, 16, 16, 32]
+    # each class learns its own acceptance, and a long run with a high one drafts past the exits' budget
+    tracker = AcceptanceTracker(prior=0.3, estimates={("ngram", 16): 0.97})
+    long_run = DraftPolicy(FLAT, [10, 20], [False, False]).plan(tracker, 8, [found])
+    # (FLAT is flat up to its longest measured chunk, 16 positions, and grows linearly past it)
+    assert long_run.kind == "ngram" and long_run.max_draft == 15 and long_run.proposals[0].run == 20
+    short_run = DraftPolicy(STEEP, [10, 20], [False, False]).plan(tracker, 8, [found._replace(run=4)])
+    assert short_run.kind == "plain"
+
+
+@pytest.mark.parametrize("policy", ["cost", "fixed"])
+def test_the_cost_policy_lets_a_copy_draft_past_the_window(policy):
+    """The window rule bounds exited tokens waiting; verified copies under the cost policy, which sizes them, reach
+    `ngram_draft` (a long copy drafts long), and greedy output stays the full model's."""
+    from early_exit_router.decode.drafting import propose_rows
+
+    model = tiny_llama(0)
+    span = prompt(7, length=30)
+    ids = torch.cat([span, torch.tensor([[1]]), span[:, :10]], dim=1)
+    router = EarlyExitRouter.from_model(
+        model, exit_layers=[1, 3], policy=policy, ngram_draft=24, max_pending=4, ngram_tree_nodes=0
+    )
+    decoder = router.decoder(mode="verify")
+    request = DecodeRequest(max_new_tokens=40, eos_token_ids=frozenset())
+    row = decoder.join(ids, request, TokenSelector(SamplingParams(), router.stack.device))
+    row.tokens[:] = ids[0].tolist()  # the context before the first new token: a copy 10 tokens in
+    (proposal,), _ = propose_rows(decoder, [4], trees=False)
+    assert proposal.tokens == ids[0, 10:34].tolist()[: 24 if policy == "cost" else 4] and proposal.run == 10
+    out = router.generate(ids, max_new_tokens=40, mode="verify")
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=40, do_sample=False))
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
 
 
 def counting_hooks(router):
@@ -201,9 +246,9 @@ def test_single_token_matches_are_opt_in_and_reported_with_their_length():
     from early_exit_router import RouterConfig
     from early_exit_router.routing.ngram import ngram_match
 
-    assert ngram_match([5, 9, 3, 5], 4, 2) == ([], 0)  # no repeated pair
-    assert ngram_match([5, 9, 3, 5], 4, 2, min_ngram=1) == ([9, 3], 1)
-    assert ngram_match([1, 2, 7, 1, 2], 4, 3, min_ngram=1) == ([7, 1, 2], 2)  # the longest match wins
+    assert ngram_match([5, 9, 3, 5], 4, 2) == ([], 0, 0)  # no repeated pair
+    assert ngram_match([5, 9, 3, 5], 4, 2, min_ngram=1) == ([9, 3], 1, 1)
+    assert ngram_match([1, 2, 7, 1, 2], 4, 3, min_ngram=1) == ([7, 1, 2], 2, 2)  # the longest match wins
     with pytest.raises(ValueError, match="ngram_min_size"):
         RouterConfig(ngram_size=3, ngram_min_size=4)
 
@@ -264,8 +309,8 @@ def test_the_store_respects_its_memory_bound():
         store.add(seq)
         assert store.num_tokens <= 100
         assert store.index_size <= (4 - 2 + 1) * 100
-    assert store.lookup(sequences[-1][:10], 5) == (sequences[-1][10:15], 4)  # the newest is remembered
-    assert store.lookup(sequences[0][:10], 5) == ([], 0)  # the oldest was dropped
+    assert store.lookup(sequences[-1][:10], 5) == (sequences[-1][10:15], 4, 10)  # the newest is remembered
+    assert store.lookup(sequences[0][:10], 5) == ([], 0, 0)  # the oldest was dropped
     store.add(list(range(500)))  # longer than the bound: its end is kept
     assert store.num_tokens == 100 and len(store) == 1
 

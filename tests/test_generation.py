@@ -350,7 +350,8 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     from early_exit_router.routing.ngram import ngram_lookup
 
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, 2) == [7, 5]  # latest occurrence wins
-    assert ngram_lookup([4, 5, 6, 4, 5], 3, 4) == [6, 4, 5]  # falls back to a 2-token suffix
+    assert ngram_lookup([4, 5, 6, 4, 5], 3, 4) == [6, 4, 5, 6]  # a 2-token suffix; the copy runs on into itself
+    assert ngram_lookup([8, 1, 2, 1, 2], 2, 5) == [1, 2, 1, 2, 1]  # a repeating span proposes more than one period
     assert ngram_lookup([1, 2, 3, 4], 3, 4) == []
     assert ngram_lookup([7, 7], 3, 4) == []  # the suffix itself never counts as an earlier occurrence
 

@@ -11,7 +11,14 @@ from early_exit_router.decode.stopping import DecodeRequest
 from early_exit_router.decode.tree import tree_mask, tree_supported, verify_tree
 from early_exit_router.models import _compat
 from early_exit_router.routing.costs import CostModel
-from early_exit_router.routing.ngram import ContextIndex, Proposal, SuffixStore, prefer_stored, propose_tree
+from early_exit_router.routing.ngram import (
+    NO_PROPOSAL,
+    ContextIndex,
+    Proposal,
+    SuffixStore,
+    prefer_stored,
+    propose_tree,
+)
 from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy
 from early_exit_router.routing.token_tree import build_tree
 
@@ -56,22 +63,23 @@ def test_the_indexes_list_every_continuation_latest_first():
     index = ContextIndex(4, 2)
     found = index.continuations(tokens, 3, limit=8)
     # [3, 1, 2] occurred once before; [1, 2] also at two other places, latest first
-    assert found == [([3, 9, 1], 3), ([3, 7, 3], 2), ([4, 8, 1], 2)]
+    assert found == [([3, 9, 1], 3, 3), ([3, 7, 3], 2, 2), ([4, 8, 1], 2, 2)]
     assert index.continuations(tokens, 3, limit=2) == found[:2]
-    assert index.lookup(tokens, 3) == (found[0][0], 3)
+    assert index.lookup(tokens, 3) == found[0]
     store = SuffixStore(1000, 4, 2)
     store.add([5, 1, 2, 6, 6])
     store.add([1, 2, 5, 5])
     store.add([9, 3, 1, 2, 8])
-    assert store.continuations([7, 3, 1, 2], 2, limit=8) == [([8], 3), ([5, 5], 2), ([6, 6], 2)]
-    assert store.lookup([7, 3, 1, 2], 2) == ([8], 3)
+    assert store.continuations([7, 3, 1, 2], 2, limit=8) == [([8], 3, 3), ([5, 5], 2, 2), ([6, 6], 2, 2)]
+    assert store.lookup([7, 3, 1, 2], 2) == ([8], 3, 3)
     # the tree's first path is the chain's proposal; equal matches merge both sources
-    proposal, tree = propose_tree(index, store, tokens, 3, 8)
-    assert proposal == prefer_stored(index.lookup(tokens, 3), store, tokens, 3) == ([3, 9, 1], 3)
+    proposal, tree = propose_tree(index, store, tokens, 3, 8, depth=16)
+    assert proposal == prefer_stored(index.lookup(tokens, 3), store, tokens, 3) == ([3, 9, 1], 3, 3)
     assert tree.match == 3 and tree.chain() == [3, 9, 1]
     assert tree.tokens == (3, 9, 1, 7, 3, 4, 8, 1, 8, 5, 5, 6, 6)  # the context's, then the store's
     assert tree.weights[:4] == (1.5, 1.0, 1.0, 0.5)  # a match one token shorter weighs half
-    assert propose_tree(ContextIndex(4, 2), None, [1, 2, 3], 3, 8) == (([], 0), None)
+    assert propose_tree(ContextIndex(4, 2), None, [1, 2, 3], 3, 8, 16) == (NO_PROPOSAL, None)
+    assert propose_tree(index, store, tokens, 3, 8, depth=2)[1].tokens == (3, 9, 7, 4, 8, 8, 5, 5, 6, 6)
 
 
 def test_the_policy_drafts_trees_where_positions_are_cheap_and_chains_where_not():
@@ -180,6 +188,22 @@ def test_tree_drafting_is_token_identical_to_greedy_with_the_cache_of_a_full_pas
     assert out.stats.policy_cycles.get("tree", 0) >= 1 and torch.equal(out.sequences[:, 3:], ref)
 
 
+def test_logits_processors_see_each_nodes_own_path():
+    """A repetition penalty reads the ids before each token: at a node, the context and that node's path."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    model = tiny_llama(0)
+    ids = repetitive_prompt(3)
+    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
+    ref = model.generate(ids, max_new_tokens=40, do_sample=False, logits_processor=penalty)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], acceptance_prior=0.5, ngram_min_size=1)
+    router.cost_model = FLAT
+    out = router.generate(ids, max_new_tokens=40, mode="verify", logits_processor=penalty)
+    assert out.stats.policy_cycles.get("tree", 0) >= 1
+    assert torch.equal(out.sequences, ref)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
 def test_trees_stay_off_where_the_chunk_cannot_be_reordered():
     model = tiny_llama(1)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3])
@@ -189,7 +213,7 @@ def test_trees_stay_off_where_the_chunk_cannot_be_reordered():
     sampled = router.decoder(mode="verify")
     request = DecodeRequest(max_new_tokens=8, eos_token_ids=frozenset())
     sampled.join(ids, request, TokenSelector(SamplingParams(do_sample=True, seed=0), router.stack.device))
-    assert not tree_supported(sampled)  # sampling drafts chains: their acceptance rule is the chain's
+    assert tree_supported(sampled)  # a sampled walk keeps the full model's law (test_verify_sampling.py)
     exit_mode = router.decoder(mode="exit")
     exit_mode.join(ids, request, TokenSelector(SamplingParams(), router.stack.device))
     assert not tree_supported(exit_mode)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.routing.costs import CostModel
 
 from .conftest import ALWAYS_EXIT, VOCAB, prompt, tiny_llama
 
@@ -14,14 +15,20 @@ def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
     return 0.5 * float((p - q).abs().sum())
 
 
-def second_token_law(router, ids: torch.Tensor, temperature: float, runs: int) -> tuple[torch.Tensor, int]:
-    """The second new token's empirical law over `runs` seeds of verify-mode sampling, and the drafts judged."""
+def second_token_law(
+    router, ids: torch.Tensor, temperature: float, runs: int, cycles: dict[str, int] | None = None
+) -> tuple[torch.Tensor, int]:
+    """The second new token's empirical law over `runs` seeds of verify-mode sampling, and the drafts judged
+    (`cycles`, where given, gathers the cost policy's cycles per plan kind)."""
     counts = torch.zeros(VOCAB, dtype=torch.float64)
     drafted = 0
     for seed in range(runs):
         out = router.generate(ids, max_new_tokens=2, mode="verify", do_sample=True, temperature=temperature, seed=seed)
         counts[out.sequences[0, ids.shape[1] + 1]] += 1
         drafted += out.stats.drafts_judged
+        for kind, n in out.stats.policy_cycles.items():
+            if cycles is not None:
+                cycles[kind] = cycles.get(kind, 0) + n
     return counts / runs, drafted
 
 
@@ -74,4 +81,32 @@ def test_copied_drafts_keep_the_full_models_law():
     empirical, drafted = second_token_law(router, ids, temperature, runs)
     assert drafted >= 0.9 * runs  # nearly every second token was a copied draft the deep pass judged
     assert total_variation(copied, exact) > 0.4  # the test has power: unverified copies would be far off
+    assert total_variation(empirical, exact) < 0.12, total_variation(empirical, exact)
+
+
+def test_sampled_token_trees_keep_the_full_models_law():
+    """Where the copied token was followed by different tokens at its two earlier occurrences, both are drafted as a
+    tree; the walk keeps a child exactly when the full model's draw is that child, so the second token's law is still
+    the full model's."""
+    model = tiny_llama(2, peaky=20.0)
+    temperature = 0.7
+    g = torch.Generator().manual_seed(1)
+    ids = torch.cat([torch.randperm(VOCAB, generator=g), torch.randperm(VOCAB, generator=g)])[None]  # each twice
+    latest = {int(a): int(b) for a, b in zip(ids[0, :-1], ids[0, 1:])}  # the first child: the latest continuation
+    with torch.no_grad():
+        p1 = torch.softmax(model(ids).logits[0, -1].double() / temperature, -1)
+        both = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)
+        p2 = torch.softmax(model(both).logits[:, -1].double() / temperature, -1)  # (vocab, vocab)
+    exact = p1 @ p2
+    first_child = torch.zeros(VOCAB, dtype=torch.float64)
+    for first, p in enumerate(p1.tolist()):
+        first_child[latest[first]] += p
+    router = EarlyExitRouter.from_model(
+        model, exit_layers=[2], active_exit_layers=[], ngram_min_size=1, ngram_store_tokens=0
+    )
+    router.cost_model = CostModel.synthetic(6, [1.0] * 16, [6.0] * 16)  # positions cost nothing: trees pay
+    runs, cycles = 1500, {}
+    empirical, drafted = second_token_law(router, ids, temperature, runs, cycles)
+    assert cycles.get("tree", 0) >= 0.9 * runs and drafted >= runs  # nearly every second token: a tree's walk
+    assert total_variation(first_child, exact) > 0.4  # the test has power: unverified first children would be far off
     assert total_variation(empirical, exact) < 0.12, total_variation(empirical, exact)

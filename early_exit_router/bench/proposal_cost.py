@@ -22,7 +22,7 @@ from early_exit_router.routing.ngram import ContextIndex, SuffixStore, ngram_mat
 class ProposalCost:
     context: int
     index_ms: float  # per step, with the index (a chain's proposal)
-    tree_ms: float  # per step, with the index and the proposal's token tree (verify mode, one greedy sequence)
+    tree_ms: float  # per step, with the index and the proposal's token tree (verify mode, one sequence)
     scan_ms: float  # per step, scanning the context instead (`ngram_match`: the cost the index removes)
     build_ms: float  # indexing the prompt, once per call
 
@@ -55,11 +55,12 @@ def measure_proposal_cost(config: RouterConfig, context: int = 8192, steps: int 
             propose(grown)
             times.append(time.perf_counter() - start)
             grown.append(token)
+        index.cut(grown, len(tokens))  # the next measurement starts from the same context again
         return statistics.median(times) * 1000
 
     d = config.ngram_draft
     index_ms = per_step(lambda grown: prefer_stored(index.lookup(grown, d), store, grown, d))
-    tree_ms = per_step(lambda grown: propose_tree(index, store, grown, d, TREE_OCCURRENCES))
+    tree_ms = per_step(lambda grown: propose_tree(index, store, grown, d, TREE_OCCURRENCES, config.ngram_tree_nodes))
     scan = per_step(lambda grown: prefer_stored(ngram_match(grown, config.ngram_size, d, config.ngram_min_size),
                                                store, grown, d))  # fmt: skip
     return ProposalCost(context, index_ms, tree_ms, scan, build_ms)

@@ -39,13 +39,15 @@ def run(args: argparse.Namespace) -> int:
     print(costs.markdown())
     exits = router.config.consulted_exit_layers()
     policy = DraftPolicy.for_config(costs, router.config, router.heads)
-    budget = router.config.max_pending
-    print(f"\nWhat the cost policy chooses for a cycle of up to {budget} drafts (expected tokens per plain step):\n")
-    print("| acceptance | n-gram tier (proposal of 8) | " + " | ".join(f"exit L{e}" for e in exits) + " |")
+    budget, reach = router.config.max_pending, router.config.ngram_draft
+    print(
+        f"\nWhat the cost policy chooses for a cycle (expected tokens per plain step; an exit drafts up to {budget}):\n"
+    )
+    print(f"| acceptance | n-gram tier (proposal of {reach}) | " + " | ".join(f"exit L{e}" for e in exits) + " |")
     print("|---|---|" + "---|" * len(exits))
-    for a in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95):
+    for a in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98):
         cells = []
-        ngram_d, ngram_rate = policy.best_draft(a, policy.ngram_cycle_ms, min(8, budget))
+        ngram_d, ngram_rate = policy.best_draft(a, policy.ngram_cycle_ms, reach)
         cells.append(f"d={ngram_d}: {ngram_rate / policy.plain_rate:.2f}x")
         for i in range(len(exits)):
             d, rate = policy.best_draft(a, lambda d, i=i: policy.exit_cycle_ms(i, d), budget)

@@ -237,11 +237,11 @@ def judge(dec: DecodeState, first: int, offsets: list[int] | None, verdicts: lis
 
 def _judge_proposals(dec: DecodeState, accepted: list[int], tokens: list[int | None]) -> None:
     """Each row's n-gram proposal of this cycle, judged where it went beyond what was verified: the first undrafted
-    token against the token the full model chose (so a match length switched off is noticed again)."""
+    token against the token the full model chose (so a match class switched off is noticed again)."""
     for row, a, token in zip(dec.rows, accepted, tokens):
         proposal, row.proposal = row.proposal, None
         if proposal is not None and token is not None and a == row.drafted < len(proposal.tokens):
-            dec.tracker.observe(("ngram", proposal.match), proposal.tokens[row.drafted] == token)
+            dec.tracker.observe(("ngram", proposal.match_class), proposal.tokens[row.drafted] == token)
 
 
 def head(dec: DecodeState, hidden: torch.Tensor) -> torch.Tensor:

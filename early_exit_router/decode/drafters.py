@@ -54,15 +54,16 @@ class SuffixDrafter:
         self, tokens: list[int], index: ContextIndex, budget: int, tree: bool = False
     ) -> tuple[Proposal, int, TokenTree | None]:
         """Up to `budget` tokens to follow `tokens` (indexed by `index`): the longer match of the context and the
-        store (on a tie, the longer proposal; then the context's); with `tree`, also the token tree of every
-        continuation found (`ngram.propose_tree`). Also returns the token the context's own match copies first
-        (-1: none), which a gate reads."""
+        store (then the longer run; on a tie, the longer proposal; then the context's); with `tree`, also the token
+        tree of every continuation found, as deep as a tree may have nodes (`ngram.propose_tree`). Also returns the
+        token the context's own match copies first (-1: none), which a gate reads."""
         if budget <= 0:
             return NO_PROPOSAL, -1, None
         found = index.lookup(tokens, budget)
         copy = found.tokens[0] if found.tokens else -1
         if tree:
-            proposal, token_tree = propose_tree(index, self.store, tokens, budget, TREE_OCCURRENCES)
+            depth = self.config.ngram_tree_nodes
+            proposal, token_tree = propose_tree(index, self.store, tokens, budget, TREE_OCCURRENCES, depth)
             return proposal, copy, token_tree
         return prefer_stored(found, self.store, tokens, budget), copy, None
 

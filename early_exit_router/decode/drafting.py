@@ -32,11 +32,17 @@ def propose_ngram(dec: DecodeState, row: Row, budget: int, tree: bool = False) -
 
 def propose_rows(dec: DecodeState, budgets: list[int], trees: bool) -> tuple[list[Proposal | None], TokenTree | None]:
     """Each row's n-gram proposal for a planned cycle (None: a finished row; nothing where the tier is off or the
-    row's budget is spent), and with `trees` (a batch of one) the row's token tree."""
+    row's budget is spent), and with `trees` (a batch of one) the row's token tree.
+
+    `budgets`: what each row's exits may draft (the window rule's room). A proposal reaches up to `ngram_draft`
+    tokens: under the cost policy, which sizes each draft by its cost and its match class's acceptance, as far as the
+    row has tokens left to make (a long copy drafts long); without it, no further than an exit could."""
     proposals: list[Proposal | None] = []
     tree = None
     for row, budget in zip(dec.rows, budgets):
         proposal = NO_PROPOSAL
+        if dec.policy is not None:
+            budget = row.request.max_new_tokens - len(row.new_tokens)
         if dec.config.ngram_tier and budget > 0 and not row.done:
             proposal, tree = propose_ngram(dec, row, min(dec.config.ngram_draft, budget), trees)
         proposals.append(None if row.done else proposal)
@@ -188,7 +194,7 @@ def append_ngram(dec: DecodeState, proposals: list[Proposal | None]) -> int:
         for row, token, proposal in zip(dec.rows, column, proposals):
             if token is not None:
                 law = _point_mass(vocab, token, device) if verified and row.selector.params.do_sample else None
-                row.drafts[q + width] = Draft(tier, ("ngram", proposal.match), law)
+                row.drafts[q + width] = Draft(tier, ("ngram", proposal.match_class), law)
                 row.drafted += 1
         ids = [dec.pad_token_id if t is None else t for t in column]
         logits = None

@@ -4,30 +4,67 @@
 an index kept up to date as the context grows and is cut back, so that a step's lookup does not grow with the
 context. `SuffixStore` keeps a bounded store of this router's earlier sequences across calls (as SuffixDecoding does
 for agentic workloads, where the same structures recur from request to request). Each returns the proposal and the
-length of the match behind it: a longer match is a better predictor, so the router estimates acceptance per match
-length and drafts further where matches are long.
+length of the match behind it, and how far back the text before the current token agrees with the text before the
+source (the run: at least the match, counted up to `RUN_LIMIT`). A longer run is a better predictor (a copy under way
+tends to go on), so the router estimates acceptance per `match_class` and drafts further where runs are long.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from early_exit_router.routing.token_tree import TokenTree, build_tree
 
+RUN_LIMIT = 32  # a proposal's run is counted back at most this far
+RUN_CLASSES = (8, 16, 32)  # runs from each of these lengths up share one acceptance estimate
+
 
 class Proposal(NamedTuple):
-    """What the n-gram tier proposes: the tokens, and the length of the match behind them (0: no match)."""
+    """What the n-gram tier proposes: the tokens, the length of the matched suffix behind them (0: no match), and
+    the run: how many tokens before them agree with the text before their source (>= match, <= RUN_LIMIT)."""
 
     tokens: list[int]
     match: int
+    run: int = 0
+
+    @property
+    def match_class(self) -> int:
+        """The acceptance estimate's key: the run below 8 tokens, else the largest of RUN_CLASSES it reaches."""
+        return match_class(max(self.match, self.run))
 
 
 NO_PROPOSAL = Proposal([], 0)
 
 
+def match_class(run: int) -> int:
+    """`Proposal.match_class` of a run."""
+    return max((c for c in RUN_CLASSES if run >= c), default=run)
+
+
+def copy_from(tokens: Sequence[int], end: int, count: int) -> list[int]:
+    """`count` tokens copied from `tokens[end:]` on, going on into the copy itself where it reaches the end of
+    `tokens` (an overlapping copy, as LZ77 decodes one): text that repeats with a period proposes as many periods as
+    asked, not just the one before the end."""
+    out = list(tokens[end : end + count])
+    period = len(tokens) - end
+    while len(out) < count and period > 0:
+        out.append(out[len(out) - period])
+    return out
+
+
+def agreement(context: Sequence[int], source: Sequence[int], end: int, matched: int) -> int:
+    """How many tokens before `source[end]` agree with the end of `context`, knowing that the last `matched` do:
+    the run of a proposal copied from `source[end:]`, at most RUN_LIMIT."""
+    run = matched
+    while run < RUN_LIMIT and run < end and run < len(context) and source[end - 1 - run] == context[-1 - run]:
+        run += 1
+    return run
+
+
 def ngram_match(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: int = 2) -> Proposal:
-    """The tokens that followed the latest earlier occurrence of the longest matching suffix, and its length.
+    """The tokens that followed the latest earlier occurrence of the longest matching suffix, its length and run.
 
     Tries suffixes of `max_ngram` down to `min_ngram` tokens; returns up to `max_draft` tokens, or ([], 0).
     """
@@ -37,7 +74,8 @@ def ngram_match(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: in
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence first, excluding the suffix itself
             if tokens[start : start + n] == suffix:
-                return Proposal(tokens[start + n : start + n + max_draft], n)
+                end = start + n
+                return Proposal(copy_from(tokens, end, max_draft), n, agreement(tokens, tokens, end, n))
     return NO_PROPOSAL
 
 
@@ -75,60 +113,63 @@ class ContextIndex:
 
     def lookup(self, tokens: list[int], max_draft: int) -> Proposal:
         """`ngram_match(tokens, max_ngram, max_draft, min_ngram)`: what followed the latest earlier occurrence of
-        the longest matching suffix, and its length."""
+        the longest matching suffix, its length and its run."""
         self._catch_up(tokens)
         for n in self.sizes:
             ends = self.ends.get(tuple(tokens[-n:])) if len(tokens) > n else None
             if ends is not None and len(ends) > 1:  # the last entry is the suffix itself
                 end = ends[-2]
-                return Proposal(tokens[end : end + max_draft], n)
+                return Proposal(copy_from(tokens, end, max_draft), n, agreement(tokens, tokens, end, n))
         return NO_PROPOSAL
 
-    def continuations(self, tokens: list[int], max_draft: int, limit: int) -> list[tuple[list[int], int]]:
+    def continuations(self, tokens: list[int], max_draft: int, limit: int) -> list[Proposal]:
         """What followed up to `limit` earlier occurrences of the context's suffixes, each with the length of the
-        suffix that matched there: the longest suffix's occurrences first, then shorter ones' at other positions,
-        latest first at each length (the first is `lookup`'s proposal)."""
+        suffix that matched there and its run: the longest suffix's occurrences first, then shorter ones' at other
+        positions, latest first at each length (the first is `lookup`'s proposal)."""
         self._catch_up(tokens)
-        found: list[tuple[list[int], int]] = []
+        found: list[Proposal] = []
         seen: set[int] = set()
         for n in self.sizes:
             ends = self.ends.get(tuple(tokens[-n:])) if len(tokens) > n else None
             for j in range(len(ends) - 2 if ends else -1, -1, -1):  # the last entry is the suffix itself
                 if len(found) == limit:
                     return found
-                if ends[j] not in seen:
-                    seen.add(ends[j])
-                    found.append((tokens[ends[j] : ends[j] + max_draft], n))
+                end = ends[j]
+                if end not in seen:
+                    seen.add(end)
+                    found.append(Proposal(copy_from(tokens, end, max_draft), n, agreement(tokens, tokens, end, n)))
         return found
 
 
 def prefer_stored(found: Proposal, store: SuffixStore | None, tokens: list[int], budget: int) -> Proposal:
-    """The n-gram tier's proposal: the longer match of the context's (`found`, from `ngram_match`) and the store's
-    (on a tie, the longer proposal; then the context's)."""
+    """The n-gram tier's proposal: the context's (`found`, from `ngram_match`) or the store's, whichever has the longer
+    match, then the longer run (on a tie, the longer proposal; then the context's)."""
     if store is not None:
         stored = store.lookup(tokens, budget)
-        if (stored[1], len(stored[0])) > (found[1], len(found[0])):
+        if _rank(stored) > _rank(found):
             return stored
     return found
 
 
+def _rank(proposal: Proposal) -> tuple[int, int, int]:
+    return proposal.match, proposal.run, len(proposal.tokens)
+
+
 def propose_tree(
-    index: ContextIndex, store: SuffixStore | None, tokens: list[int], budget: int, limit: int
+    index: ContextIndex, store: SuffixStore | None, tokens: list[int], budget: int, limit: int, depth: int
 ) -> tuple[Proposal, TokenTree | None]:
     """The tier's proposal and its tree: what followed up to `limit` occurrences of the context's suffixes in the
-    context and as many in the store. The first path is `prefer_stored`'s proposal (the longest match, latest); an
-    occurrence weighs half as much for each token its match is shorter than that one's."""
+    context and as many in the store, the tree cut at `depth` tokens. The first path is `prefer_stored`'s proposal
+    (the longest match, latest); an occurrence weighs half as much for each token its match is shorter than that
+    one's."""
     found = index.continuations(tokens, budget, limit)
     stored = store.continuations(tokens, budget, limit) if store is not None else []
     if not found and not stored:
         return NO_PROPOSAL, None
-
-    def lead(c: list[tuple[list[int], int]]) -> tuple[int, int]:
-        return (c[0][1], len(c[0][0])) if c else (0, 0)
-
-    ordered = stored + found if lead(stored) > lead(found) else found + stored
-    first, match = ordered[0]
-    return Proposal(list(first), match), build_tree([(c, 0.5 ** (match - n)) for c, n in ordered], match)
+    ordered = stored + found if stored and (not found or _rank(stored[0]) > _rank(found[0])) else found + stored
+    first = ordered[0]
+    weighted = [(c.tokens[:depth], 0.5 ** (first.match - c.match)) for c in ordered]
+    return first, build_tree(weighted, first.match_class)
 
 
 def ngram_lookup(tokens: list[int], max_ngram: int, max_draft: int, min_ngram: int = 2) -> list[int]:
@@ -188,15 +229,16 @@ class SuffixStore:
                 self._index.setdefault(tuple(tokens[end - n : end]), []).append((seq_id, end))
 
     def lookup(self, tokens: list[int], max_draft: int) -> Proposal:
-        """What followed the longest suffix of `tokens` in a stored sequence (its latest occurrence), and the match
-        length ([] , 0: none)."""
+        """What followed the longest suffix of `tokens` in a stored sequence (its latest occurrence), the match
+        length and the run ([] , 0: none)."""
         found = self.continuations(tokens, max_draft, 1)
-        return Proposal(*found[0]) if found else NO_PROPOSAL
+        return found[0] if found else NO_PROPOSAL
 
-    def continuations(self, tokens: list[int], max_draft: int, limit: int) -> list[tuple[list[int], int]]:
+    def continuations(self, tokens: list[int], max_draft: int, limit: int) -> list[Proposal]:
         """`ContextIndex.continuations` over the stored sequences: what followed up to `limit` stored occurrences of
-        the suffixes of `tokens`, longest suffix first, latest first at each length, with the match lengths."""
-        found: list[tuple[list[int], int]] = []
+        the suffixes of `tokens`, longest suffix first, latest first at each length, with the match lengths and
+        runs."""
+        found: list[Proposal] = []
         seen: set[tuple[int, int]] = set()
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             hits = self._index.get(tuple(tokens[-n:])) if len(tokens) >= n else None
@@ -206,5 +248,6 @@ class SuffixStore:
                 if hits[j] not in seen:
                     seen.add(hits[j])
                     seq_id, end = hits[j]
-                    found.append((self._sequences[seq_id][end : end + max_draft], n))
+                    source = self._sequences[seq_id]
+                    found.append(Proposal(source[end : end + max_draft], n, agreement(tokens, source, end, n)))
         return found

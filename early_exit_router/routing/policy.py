@@ -18,11 +18,11 @@ exit's estimated exit rate r per asking, it is asked while r x saving >= asking 
 every `probe_interval` tokens, so its estimate follows the text.
 
 The option with the best tokens per millisecond wins; drafting must beat plain decoding by `margin`, so that a
-near-tie decodes plainly. Acceptance is estimated online per tier (and per match length for the n-gram tier) from
-the deep pass's verdict on every draft, and from "shadow" checks: on plain steps the n-gram proposal that was not
-used is checked against the token the full model chose, and every `probe_interval` plain steps each exit's draft
-head is scored on the hidden state the step computed anyway, so a tier that was switched off is noticed when the
-text becomes predictable again.
+near-tie decodes plainly. Acceptance is estimated online per tier (and per `Proposal.match_class` for the n-gram tier)
+from the deep pass's verdict on every draft, and from "shadow" checks: on plain steps the n-gram proposal that was not
+used is checked against the token the full model chose, and every `probe_interval` plain steps each exit's draft head
+is scored on the hidden state the step computed anyway, so a tier that was switched off is noticed when the text
+becomes predictable again.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from early_exit_router.routing.costs import CostModel
 from early_exit_router.routing.ngram import Proposal
 from early_exit_router.routing.token_tree import TokenTree
 
-# ("exit", exit index), ("ngram", match length); ("branch", match length): a token tree's other continuations, once
+# ("exit", exit index), ("ngram", match class); ("branch", match class): a token tree's other continuations, once
 # the first is refused; exit mode: ("ask", exit index)
 TierKey = tuple[str, int]
 MARGIN = 0.03  # drafting must beat plain decoding by this share, so that a near-tie decodes plainly
@@ -194,13 +194,14 @@ class DraftPolicy:
         exits: bool = True,
         tree: TokenTree | None = None,
     ) -> Plan:
-        """The best plan for a cycle that may draft up to `budget` tokens (plain when nothing beats it).
+        """The best plan for a cycle whose exits may draft up to `budget` tokens (plain when nothing beats it).
 
-        `proposals`: each row's n-gram proposal (a batch of one: one entry; None: a finished row, which drafts
-        nothing and gains nothing). A pass over b rows and k + 1 slots yields each row its expected accepted
-        drafts plus its own token; the exits draft only for a batch of one (`exits`), since on rectangular layers
-        a row that leaves early saves nothing while another needs the deep layers. `tree` (a batch of one): the
-        proposal's token tree, drafted instead of the chain where its likeliest nodes pay better (`_tree_plan`)."""
+        `proposals`: each row's n-gram proposal, as long as the tier may draft (a batch of one: one entry; None: a
+        finished row, which drafts nothing and gains nothing), its acceptance estimated per match class. A pass over
+        b rows and k + 1 slots yields each row its expected accepted drafts plus its own token; the exits draft only
+        for a batch of one (`exits`), since on rectangular layers a row that leaves early saves nothing while another
+        needs the deep layers. `tree` (a batch of one): the proposal's token tree, drafted instead of the chain where
+        its likeliest nodes pay better (`_tree_plan`)."""
         rows = max(1, len(proposals))
         active = [p for p in proposals if p is not None] if proposals else [Proposal([], 0)]
         plain_rate = len(active) / self.costs.pass_ms(rows, 1)
@@ -208,15 +209,15 @@ class DraftPolicy:
         threshold = plain_rate * (1.0 + self.margin)
         if budget < 1:
             return best
-        longest = min(budget, max((len(p.tokens) for p in active), default=0))
-        estimates = [tracker.estimate(("ngram", p.match)) for p in active]
+        longest = max((len(p.tokens) for p in active), default=0)
+        estimates = [tracker.estimate(("ngram", p.match_class)) for p in active]
         k, rate = self.best_length(
             lambda k: sum(expected_tokens(a, min(len(p.tokens), k)) for p, a in zip(active, estimates)),
             lambda k: self.costs.pass_ms(rows, k + 1),
             longest,
         )
         if rate > max(best.rate, threshold):
-            cut = tuple(None if p is None else Proposal(p.tokens[:k], p.match) for p in proposals)
+            cut = tuple(None if p is None else p._replace(tokens=p.tokens[:k]) for p in proposals)
             best = Plan("ngram", k, proposals=cut, rate=rate)
         if tree is not None and rows == 1 and tree.branches:
             ab = estimates[0], tracker.estimate(("branch", tree.match))

@@ -6,7 +6,7 @@ continuations and loses the whole draft where it turns out to be the wrong one; 
 their common prefixes (SpecInfer, Medusa, EAGLE-2, SuffixDecoding do the same).
 
 Each node's first child continues the latest occurrence behind it: the chain the tier would draft. Given its parent,
-that child is accepted with the tier's per-position acceptance `a` at this match length (so a tree's first path is
+that child is accepted with the tier's per-position acceptance `a` at this match class (so a tree's first path is
 costed exactly as a chain), and the other children share what is left: each is accepted with probability
 `(1 - a) x b x` its part of the alternatives' weight (how many occurrences continued with it), where `b` is the
 estimated chance that an alternative is right once the first child is not (learned from the trees' own verdicts).
@@ -16,7 +16,7 @@ A path's probability is the product along it, so a node is never more likely tha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -27,7 +27,7 @@ class TokenTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]  # the parent's node index, -1: the root
     weights: tuple[float, ...]  # the continuations' weight through the node
-    match: int  # the suffix match length behind the continuations (the acceptance estimate's key)
+    match: int  # the first continuation's match class (`Proposal.match_class`: the acceptance estimate's key)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -97,17 +97,24 @@ class TokenTree:
             out.append(([] if parent < 0 else out[parent]) + [i])
         return out
 
-    def accepted_path(self, choices: Sequence[int]) -> list[int]:
-        """The longest path the full model agrees with: `choices[0]` is its token after the root, `choices[i + 1]`
-        after node i. Returns the path's nodes, root excluded."""
+    def walk(self, choose: Callable[[int, list[int]], int]) -> tuple[list[int], int]:
+        """Follow the full model from the root: `choose(node, path)` is its token after `node` (-1: the root), reached
+        by `path`; while that token is one of the node's children, go on from that child. Returns the path kept (its
+        nodes, root excluded) and the token chosen after it."""
         children: dict[tuple[int, int], int] = {}
         for i, (parent, token) in enumerate(zip(self.parents, self.tokens)):
             children.setdefault((parent, token), i)
-        path, node = [], -1
-        while (child := children.get((node, choices[node + 1]))) is not None:
+        path: list[int] = []
+        node = -1
+        while (child := children.get((node, token := choose(node, path)))) is not None:
             path.append(child)
             node = child
-        return path
+        return path, token
+
+    def accepted_path(self, choices: Sequence[int]) -> list[int]:
+        """`walk` where the full model's tokens are known: `choices[0]` after the root, `choices[i + 1]` after node i
+        (greedy). Returns the longest path it agrees with, root excluded."""
+        return self.walk(lambda node, path: choices[node + 1])[0]
 
 
 def build_tree(continuations: Sequence[tuple[Sequence[int], float]], match: int) -> TokenTree:
