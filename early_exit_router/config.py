@@ -236,8 +236,10 @@ class DraftingOptions:
             "an exit that does not pay every this-many tokens). 0 never probes."
         },
     )
-    acceptance_prior: float = field(default=0.5, metadata={"help": "Cost policy: the acceptance estimate of a tier "
-                                    "before any verdict (in [0, 1])."})  # fmt: skip
+    acceptance_prior: float = field(
+        default=0.5,
+        metadata={"help": "Cost policy: the acceptance estimate of a tier before any verdict (in [0, 1])."},
+    )
     exit_acceptance_prior: float | None = field(
         default=None,
         metadata={

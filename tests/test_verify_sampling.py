@@ -59,26 +59,36 @@ def test_second_token_distribution_matches_the_full_model(draft_vocab_size):
     assert total_variation(empirical, exact) < 0.12, total_variation(empirical, exact)
 
 
+def copied_second_token(model, ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second token's law under plain sampling after `ids`, and its law had the n-gram tier's copy after the first
+    token (what followed its latest occurrence; the last prompt token is followed by nothing) been kept unverified."""
+    follows = {int(a): int(b) for a, b in zip(ids[0, :-1], ids[0, 1:])}
+    with torch.no_grad():
+        p1 = torch.softmax(model(ids).logits[0, -1].double() / temperature, -1)
+        both = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)
+        p2 = torch.softmax(model(both).logits[:, -1].double() / temperature, -1)  # (vocab, vocab)
+    copied = torch.zeros(VOCAB, dtype=torch.float64)
+    for first, p in enumerate(p1.tolist()):
+        copied[follows.get(first, first)] += p
+    return p1 @ p2, copied
+
+
+def copying_router(model) -> EarlyExitRouter:
+    """Drafts from the n-gram tier alone, down to single-token matches, with no store."""
+    return EarlyExitRouter.from_model(
+        model, exit_layers=[2], active_exit_layers=[], ngram_min_size=1, ngram_store_tokens=0
+    )
+
+
 def test_copied_drafts_keep_the_full_models_law():
     """The n-gram tier's drafts are copies (a point mass each): the rule accepts a copy x with probability p(x) and
     otherwise draws from p without x, so the second token's law is still the full model's."""
     model = tiny_llama(1, peaky=20.0)
     temperature = 0.7
     ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[None]  # every token once
-    follows = {int(a): int(b) for a, b in zip(ids[0, :-1], ids[0, 1:])}  # what the tier copies after each token
-    with torch.no_grad():
-        p1 = torch.softmax(model(ids).logits[0, -1].double() / temperature, -1)
-        both = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)
-        p2 = torch.softmax(model(both).logits[:, -1].double() / temperature, -1)  # (vocab, vocab)
-    exact = p1 @ p2
-    copied = torch.zeros(VOCAB, dtype=torch.float64)
-    for first, p in enumerate(p1.tolist()):
-        copied[follows.get(first, first)] += p  # the last prompt token is followed by nothing: no draft there
-    router = EarlyExitRouter.from_model(
-        model, exit_layers=[2], active_exit_layers=[], ngram_min_size=1, ngram_store_tokens=0
-    )
+    exact, copied = copied_second_token(model, ids, temperature)
     runs = 1500
-    empirical, drafted = second_token_law(router, ids, temperature, runs)
+    empirical, drafted = second_token_law(copying_router(model), ids, temperature, runs)
     assert drafted >= 0.9 * runs  # nearly every second token was a copied draft the deep pass judged
     assert total_variation(copied, exact) > 0.4  # the test has power: unverified copies would be far off
     assert total_variation(empirical, exact) < 0.12, total_variation(empirical, exact)
@@ -92,18 +102,8 @@ def test_sampled_token_trees_keep_the_full_models_law():
     temperature = 0.7
     g = torch.Generator().manual_seed(1)
     ids = torch.cat([torch.randperm(VOCAB, generator=g), torch.randperm(VOCAB, generator=g)])[None]  # each twice
-    latest = {int(a): int(b) for a, b in zip(ids[0, :-1], ids[0, 1:])}  # the first child: the latest continuation
-    with torch.no_grad():
-        p1 = torch.softmax(model(ids).logits[0, -1].double() / temperature, -1)
-        both = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)
-        p2 = torch.softmax(model(both).logits[:, -1].double() / temperature, -1)  # (vocab, vocab)
-    exact = p1 @ p2
-    first_child = torch.zeros(VOCAB, dtype=torch.float64)
-    for first, p in enumerate(p1.tolist()):
-        first_child[latest[first]] += p
-    router = EarlyExitRouter.from_model(
-        model, exit_layers=[2], active_exit_layers=[], ngram_min_size=1, ngram_store_tokens=0
-    )
+    exact, first_child = copied_second_token(model, ids, temperature)  # the first child: the latest continuation
+    router = copying_router(model)
     router.cost_model = CostModel.synthetic(6, [1.0] * 16, [6.0] * 16)  # positions cost nothing: trees pay
     runs, cycles = 1500, {}
     empirical, drafted = second_token_law(router, ids, temperature, runs, cycles)
