@@ -73,13 +73,14 @@ def test_the_indexes_list_every_continuation_latest_first():
     assert store.continuations([7, 3, 1, 2], 2, limit=8) == [([8], 3, 3), ([5, 5], 2, 2), ([6, 6], 2, 2)]
     assert store.lookup([7, 3, 1, 2], 2) == ([8], 3, 3)
     # the tree's first path is the chain's proposal; equal matches merge both sources
-    proposal, tree = propose_tree(index, store, tokens, 3, 8, depth=16)
+    proposal, tree = propose_tree(found, store, tokens, 3, 8, depth=16)
     assert proposal == prefer_stored(index.lookup(tokens, 3), store, tokens, 3) == ([3, 9, 1], 3, 3)
     assert tree.match == 3 and tree.chain() == [3, 9, 1]
     assert tree.tokens == (3, 9, 1, 7, 3, 4, 8, 1, 8, 5, 5, 6, 6)  # the context's, then the store's
     assert tree.weights[:4] == (1.5, 1.0, 1.0, 0.5)  # a match one token shorter weighs half
-    assert propose_tree(ContextIndex(4, 2), None, [1, 2, 3], 3, 8, 16) == (NO_PROPOSAL, None)
-    assert propose_tree(index, store, tokens, 3, 8, depth=2)[1].tokens == (3, 9, 7, 4, 8, 8, 5, 5, 6, 6)
+    nothing = ContextIndex(4, 2).continuations([1, 2, 3], 3, 8)
+    assert nothing == [] and propose_tree(nothing, None, [1, 2, 3], 3, 8, 16) == (NO_PROPOSAL, None)
+    assert propose_tree(found, store, tokens, 3, 8, depth=2)[1].tokens == (3, 9, 7, 4, 8, 8, 5, 5, 6, 6)
 
 
 def test_the_policy_drafts_trees_where_positions_are_cheap_and_chains_where_not():

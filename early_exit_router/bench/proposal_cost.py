@@ -60,7 +60,8 @@ def measure_proposal_cost(config: RouterConfig, context: int = 8192, steps: int 
 
     d = config.ngram_draft
     index_ms = per_step(lambda grown: prefer_stored(index.lookup(grown, d), store, grown, d))
-    tree_ms = per_step(lambda grown: propose_tree(index, store, grown, d, TREE_OCCURRENCES, config.ngram_tree_nodes))
+    tree_ms = per_step(lambda grown: propose_tree(index.continuations(grown, d, TREE_OCCURRENCES), store, grown, d,
+                                                  TREE_OCCURRENCES, config.ngram_tree_nodes))  # fmt: skip
     scan = per_step(lambda grown: prefer_stored(ngram_match(grown, config.ngram_size, d, config.ngram_min_size),
                                                store, grown, d))  # fmt: skip
     return ProposalCost(context, index_ms, tree_ms, scan, build_ms)

@@ -59,13 +59,15 @@ class SuffixDrafter:
         token the context's own match copies first (-1: none), which a gate reads."""
         if budget <= 0:
             return NO_PROPOSAL, -1, None
-        found = index.lookup(tokens, budget)
-        copy = found.tokens[0] if found.tokens else -1
-        if tree:
+        if tree:  # the first continuation is the lookup's proposal: one pass over the index serves both
+            found = index.continuations(tokens, budget, TREE_OCCURRENCES)
+            copy = found[0].tokens[0] if found else -1
             depth = self.config.ngram_tree_nodes
-            proposal, token_tree = propose_tree(index, self.store, tokens, budget, TREE_OCCURRENCES, depth)
+            proposal, token_tree = propose_tree(found, self.store, tokens, budget, TREE_OCCURRENCES, depth)
             return proposal, copy, token_tree
-        return prefer_stored(found, self.store, tokens, budget), copy, None
+        lookup = index.lookup(tokens, budget)
+        copy = lookup.tokens[0] if lookup.tokens else -1
+        return prefer_stored(lookup, self.store, tokens, budget), copy, None
 
     def remember(self, tokens: list[int]) -> None:
         """A finished sequence (prompt and output) for later calls to copy from."""

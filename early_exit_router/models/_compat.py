@@ -242,9 +242,10 @@ def keep_slots_after(cache: Any, first: int, slots: list[int]) -> None:
     """Every layer keeps its slots before `first`, then `slots` (each >= `first`, increasing), and nothing else: a
     verified token tree's path moved next to the context. Copies only the path's entries."""
     in_place = slots == list(range(first, first + len(slots)))
+    index = torch.tensor(slots)
     for layer_idx, layer in enumerate(cache.layers):
         if not in_place:
-            index = torch.tensor(slots, device=layer.keys.device)
+            index = index.to(layer.keys.device)  # a no-op after the first layer, unless layers sit on several devices
             for name in ("keys", "values"):
                 states = getattr(layer, name)  # (b, heads, slots, dim)
                 states[:, :, first : first + len(slots)] = states.index_select(2, index)

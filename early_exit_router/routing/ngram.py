@@ -156,13 +156,12 @@ def _rank(proposal: Proposal) -> tuple[int, int, int]:
 
 
 def propose_tree(
-    index: ContextIndex, store: SuffixStore | None, tokens: list[int], budget: int, limit: int, depth: int
+    found: list[Proposal], store: SuffixStore | None, tokens: list[int], budget: int, limit: int, depth: int
 ) -> tuple[Proposal, TokenTree | None]:
     """The tier's proposal and its tree: what followed up to `limit` occurrences of the context's suffixes in the
-    context and as many in the store, the tree cut at `depth` tokens. The first path is `prefer_stored`'s proposal
-    (the longest match, latest); an occurrence weighs half as much for each token its match is shorter than that
-    one's."""
-    found = index.continuations(tokens, budget, limit)
+    context (`found`: `ContextIndex.continuations(tokens, budget, limit)`) and as many in the store, the tree cut at
+    `depth` tokens. The first path is `prefer_stored`'s proposal (the longest match, latest); an occurrence weighs
+    half as much for each token its match is shorter than that one's."""
     stored = store.continuations(tokens, budget, limit) if store is not None else []
     if not found and not stored:
         return NO_PROPOSAL, None
