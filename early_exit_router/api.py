@@ -109,7 +109,8 @@ class EarlyExitRouter:
         `overrides` replace fields of `config` (e.g. `exit_layers=[10, 20]`). Everything is validated before the
         model is touched, so an error leaves it exactly as it was. `pack_weights=False` keeps the router's own
         passes on the model's products where they would run from prepacked weights (`LayerStack.use_packed_weights`:
-        bf16 on CPUs that compute it natively; the same numbers, faster, at one more copy of the weights' memory).
+        on a CPU, float32 and bf16 where it computes bf16 natively; faster verify passes, at about one more copy of
+        the weights' memory).
         """
         _compat.check_supported()
         config = (config or RouterConfig()).replace(**overrides) if overrides else (config or RouterConfig())

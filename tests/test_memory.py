@@ -25,3 +25,17 @@ def test_the_budget_matches_what_a_generation_holds(context):
     assert cache_bytes(out.cache) == budget.kv_cache
     measured = measured_bytes(router, context)
     assert abs(measured - (budget.total - budget.fill_workspace)) <= 0.1 * measured
+
+
+def test_prepacked_copies_count_in_the_budget(monkeypatch):
+    from early_exit_router.models import packed
+
+    if packed.packing_supported(torch.device("cpu"), torch.float32) is not None:
+        pytest.skip("this torch build has no MKL packed GEMM")
+    monkeypatch.setitem(packed.MIN_ELEMENTS, torch.float32, 0)  # pack the tiny model's weights
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    budget = memory_budget(router, 16)
+    assert budget.packed_weights == router.stack.packed_weights.nbytes > 0
+    router.stack.use_packed_weights(False)
+    unpacked = memory_budget(router, 16)
+    assert unpacked.packed_weights == 0 and unpacked.total == budget.total - budget.packed_weights

@@ -1,17 +1,21 @@
-"""Prepacked weights (`models/packed.py`): the same numbers as the model's own products, a model left untouched, and
-a weight changed in place packed again. They are used on CPUs that compute bf16 natively; elsewhere these tests
-check that nothing is packed."""
+"""Prepacked weights (`models/packed.py`): the same numbers as the model's own products (bitwise in bf16, to float32
+rounding in float32), a model left untouched, and a weight changed in place packed again. bf16 weights are packed on
+CPUs that compute bf16 natively (elsewhere these tests check that nothing is packed); float32 weights large enough
+to gain (the tests lower that bound to pack a tiny model's)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.models import packed as packed_module
 from early_exit_router.models.packed import PackedLinears, packing_supported
 
-from .conftest import tiny_llama, tiny_tokenizer
+from .conftest import assert_cache_matches_full_forward, tiny_llama, tiny_tokenizer
 
 SUPPORTED = packing_supported(torch.device("cpu"), torch.bfloat16) is None
 needs_packing = pytest.mark.skipif(not SUPPORTED, reason="this CPU does not compute bfloat16 natively")
@@ -22,11 +26,12 @@ def bf16_router(**kwargs) -> EarlyExitRouter:
     return EarlyExitRouter.from_model(model, tiny_tokenizer(), exit_layers=[1, 3], **kwargs)
 
 
-def test_packing_is_used_only_for_bfloat16_on_a_cpu_that_computes_it():
-    assert packing_supported(torch.device("cpu"), torch.float32) is not None
+def test_packing_is_used_for_bfloat16_on_a_cpu_that_computes_it_and_for_large_float32_weights():
     assert packing_supported(torch.device("meta"), torch.bfloat16) == "not a CPU"
+    assert packing_supported(torch.device("cpu"), torch.float16) is not None
     fp32 = EarlyExitRouter.from_model(tiny_llama(0), tiny_tokenizer(), exit_layers=[1, 3])
-    assert fp32.stack.packed_weights is None
+    assert fp32.stack.packed_weights is None  # a tiny model's weights stay in cache: nothing to gain
+    assert fp32.stack.use_packed_weights() == "no weight large enough for packing to pay"
     assert (bf16_router().stack.packed_weights is not None) == SUPPORTED
     assert bf16_router(pack_weights=False).stack.packed_weights is None
 
@@ -85,3 +90,60 @@ def test_a_model_cast_to_float32_stops_packing_and_unpatch_frees_the_copies():
     assert router.stack.packed_weights is not None  # packed again for the model's new dtype
     router.unpatch()
     assert router.stack.packed_weights is None
+
+
+@pytest.fixture
+def fp32_packed(monkeypatch):
+    """A float32 router whose tiny weights are packed (the size bound lowered), and a count of packed products."""
+    if packing_supported(torch.device("cpu"), torch.float32) is not None:
+        pytest.skip("this torch build has no MKL packed GEMM")
+    monkeypatch.setitem(packed_module.MIN_ELEMENTS, torch.float32, 0)
+    calls = []
+    product = packed_module.FLOAT32.product
+
+    def counted(x, packed, weight, bias, rows):
+        calls.append(rows)
+        return product(x, packed, weight, bias, rows)
+
+    monkeypatch.setattr(packed_module, "FLOAT32", dataclasses.replace(packed_module.FLOAT32, product=counted))
+    router = EarlyExitRouter.from_model(tiny_llama(0), tiny_tokenizer(), exit_layers=[1, 3])
+    calls.clear()  # the shape checks' own products
+    return router, calls
+
+
+def test_float32_packs_serve_their_row_counts_to_float_rounding_and_others_take_the_modules_product(fp32_packed):
+    router, calls = fp32_packed
+    stack, model = router.stack, router.model
+    packed = stack.packed_weights
+    assert len(packed) == sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert packed.nbytes == sum(m.weight.nbytes for m in stack.layers.modules() if isinstance(m, nn.Linear)) + (
+        2 * stack.lm_head.weight.nbytes  # the head is packed for 8 and for 16 rows
+    )
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for rows, packed_rows in ((8, {8}), (16, {16}), (5, set())):
+        ids = torch.arange(3, 3 + rows).unsqueeze(0)
+        with torch.no_grad():
+            hidden = stack.embed(ids)
+            positions = torch.arange(rows).unsqueeze(0)
+            calls.clear()
+            got = stack.logits(stack.run(hidden, 0, stack.num_layers, stack.new_cache(), positions))
+            assert set(calls) == packed_rows, rows  # layers at 8 rows, the head at 8 and 16, nothing at 5
+            stack.use_packed_weights(False)
+            want = stack.logits(stack.run(hidden, 0, stack.num_layers, stack.new_cache(), positions))
+            stack.use_packed_weights(True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        if not packed_rows:
+            assert torch.equal(got, want)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_float32_packed_verify_passes_keep_greedy_output_and_the_cache_exact(fp32_packed):
+    router, calls = fp32_packed
+    ids = torch.tensor([[3, 17, 5, 9, 40, 41, 42, 3, 17, 5, 9, 40]])
+    with torch.no_grad():
+        want = router.model.generate(ids, max_new_tokens=24, do_sample=False)
+    out = router.generate(ids, 24, mode="verify", config={"max_pending": 7, "policy": "fixed"})
+    assert 8 in calls  # passes of 8 positions ran from the packed weights
+    assert torch.equal(out.sequences, want)
+    assert_cache_matches_full_forward(router.model, out.sequences, out.cache, atol=1e-5)

@@ -26,10 +26,13 @@ class MemoryBudget:
     draft_head: int  # the trimmed draft head's slice of the LM head (a copy)
     kv_cache: int
     fill_workspace: int  # a deep pass over max_pending + 1 positions: its logits rows and waiting hidden states
+    packed_weights: int = 0  # prepacked copies of the base weights (`models/packed.py`; `pack_weights=False`: none)
 
     @property
     def total(self) -> int:
-        return self.base_weights + self.heads + self.draft_head + self.kv_cache + self.fill_workspace
+        return (
+            self.base_weights + self.heads + self.draft_head + self.kv_cache + self.fill_workspace + self.packed_weights
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total": self.total}
@@ -41,6 +44,7 @@ class MemoryBudget:
             ("trimmed draft head", self.draft_head),
             (f"KV cache ({self.context} positions)", self.kv_cache),
             ("fill workspace", self.fill_workspace),
+            ("prepacked weights", self.packed_weights),
             ("total", self.total),
         ]
         lines = ["| part | MiB | share of base weights |", "|---|---|---|"]
@@ -108,14 +112,15 @@ def memory_budget(router: Any, context: int) -> MemoryBudget:
     element = torch.finfo(stack.dtype).bits // 8
     rows = config.max_pending + 1
     workspace = rows * stack.vocab_size * 4 + rows * stack.hidden_size * element * (len(router.exit_layers) + 1)
-    return MemoryBudget(context, base, heads, draft_bytes, kv, workspace)
+    packed = stack.packed_weights
+    return MemoryBudget(context, base, heads, draft_bytes, kv, workspace, packed.nbytes if packed else 0)
 
 
 @torch.no_grad()
 def measured_bytes(router: Any, context: int) -> int:
     """What one routed generation at `context` positions holds: on CUDA the allocator's peak; elsewhere the bytes
-    of the weights, heads, draft head and the returned cache (a prompt of `context` tokens and one new one, so that
-    the cache holds `context` positions)."""
+    of the weights, heads, draft head, prepacked copies and the returned cache (a prompt of `context` tokens and one
+    new one, so that the cache holds `context` positions)."""
     stack = router.stack
     ids = torch.randint(0, min(stack.vocab_size, 1000), (1, context), generator=torch.Generator().manual_seed(0))
     cuda = stack.device.type == "cuda"
@@ -127,4 +132,6 @@ def measured_bytes(router: Any, context: int) -> int:
         return int(torch.cuda.max_memory_allocated(stack.device))
     draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
     weights = list(router.model.parameters()) + list(router.model.buffers()) + list(router.heads.parameters())
-    return tensor_bytes(weights + ([] if draft is None else [draft.weight, draft.bias])) + cache_bytes(out.cache)
+    packed = stack.packed_weights  # opaque tensors: counted as their weights' size, which is what they hold
+    held = tensor_bytes(weights + ([] if draft is None else [draft.weight, draft.bias])) + cache_bytes(out.cache)
+    return held + (packed.nbytes if packed else 0)

@@ -106,8 +106,8 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
         dest="pack_weights",
         action="store_false",
         help="Keep the router's passes on the model's own matrix products where they would run from prepacked "
-        "weights (bfloat16 on CPUs that compute it natively: the same numbers, faster, at one more copy of the "
-        "weights' memory).",
+        "weights (on a CPU: float32, and bfloat16 where the CPU computes it natively; faster verify passes at about "
+        "one more copy of the weights' memory).",
     )
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from early_exit_router.models import _compat
+from early_exit_router.models.attention import check_native_gqa, native_gqa, native_gqa_supported
 from early_exit_router.models.packed import PackedLinears, packing_supported
 
 POSITION_STYLES = ("rotary_shared", "rotary_per_layer_type", "learned")
@@ -134,16 +135,20 @@ class LayerStack:
         self._layer_linears = [[m for m in layer.modules() if isinstance(m, nn.Linear)] for layer in self.layers]
         self._packed: PackedLinears | None = None  # see `use_packed_weights`
         self._packing: tuple[bool, torch.device, torch.dtype] = (False, self.device, self.dtype)
+        self._native_gqa: bool | None = None  # see `_attention`
 
     def use_packed_weights(self, enabled: bool = True) -> str | None:
-        """Run the layers' and the LM head's products from prepacked weights where that is bitwise exact and faster
-        (bf16 on CPUs that compute it natively: `packed.py`), at the memory of one more copy of those weights; a
-        model later moved or cast is packed again for its new place. Returns why they are not used (None: they are)."""
+        """Run the layers' and the LM head's products from prepacked weights where that is faster (float32, and
+        bf16 on CPUs that compute it natively: `packed.py`), at the memory of one more copy of those weights per
+        packed row count; a model later moved or cast is packed again for its new place. Returns why they are not
+        used (None: they are)."""
         self._packed = None
         self._packing = (enabled, self.device, self.dtype)
         reason = "switched off" if not enabled else packing_supported(self.device, self.dtype)
         if reason is None:
-            self._packed = PackedLinears([m for group in self._layer_linears for m in group] + [self.lm_head])
+            layers = [m for group in self._layer_linears for m in group]
+            self._packed = PackedLinears(layers, head=self.lm_head) or None
+            reason = None if self._packed is not None else "no weight large enough for packing to pay"
         return reason
 
     @property
@@ -250,7 +255,9 @@ class LayerStack:
             return hidden
         masks: dict[str, Any] = {}
         rotary: dict[str, Any] = {}
-        with self._products(m for j in range(start, stop) for m in self._layer_linears[j]):
+        rows = hidden.shape[0] * hidden.shape[1]
+        linears = (m for j in range(start, stop) for m in self._layer_linears[j])
+        with self._attention(hidden.shape[1]), self._products(linears, rows):
             for layer_idx in range(start, stop):
                 kind = self.mask_kinds[layer_idx]
                 if kind not in masks:
@@ -262,11 +269,11 @@ class LayerStack:
                 hidden = self._call_layer(self.layers[layer_idx], hidden, masks[kind], positions, rotary[kind], cache)
         return hidden
 
-    def _products(self, linears: Iterable[nn.Module]) -> AbstractContextManager[None]:
-        """The scope in which `linears` compute: from their prepacked weights where those are used (`linears` is
-        walked only then)."""
+    def _products(self, linears: Iterable[nn.Module], rows: int) -> AbstractContextManager[None]:
+        """The scope in which `linears` compute over `rows` rows: from their prepacked weights where those serve that
+        row count (`linears` is walked only then)."""
         packed = self.packed_weights
-        return nullcontext() if packed is None else packed.active(linears)
+        return packed.active(linears) if packed is not None and packed.serves(rows) else nullcontext()
 
     def run_module(
         self,
@@ -281,7 +288,19 @@ class LayerStack:
         at layer 0 of `cache`, or None for no cache) over a chunk, with this model's mask and positions of `kind`."""
         mask = _compat.build_mask(kind, self.config, hidden, cache, positions, 0, attention_mask)
         rotary = self._position_embeddings(hidden, positions, kind)
-        return self._call_layer(layer, hidden, mask, positions, rotary, cache)
+        with self._attention(hidden.shape[1]):
+            return self._call_layer(layer, hidden, mask, positions, rotary, cache)
+
+    def _attention(self, positions: int) -> AbstractContextManager[None]:
+        """The scope in which the layers attend to `positions` new positions: grouped heads without copying the
+        cache on a CPU, where the model was checked to take that path exactly (`attention.py`; checked at the first
+        pass). One position never copies the cache (HF's sdpa folds the heads), so it keeps HF's path."""
+        if positions == 1:
+            return nullcontext()
+        if self._native_gqa is None:
+            self._native_gqa = False  # the check runs passes of its own
+            self._native_gqa = check_native_gqa(self)
+        return native_gqa(self.config) if self._native_gqa and native_gqa_supported(self.device) else nullcontext()
 
     def _call_layer(
         self, layer: nn.Module, hidden: torch.Tensor, mask: Any, positions: torch.Tensor, rotary: Any, cache: Any
@@ -313,7 +332,7 @@ class LayerStack:
         return self.unembed(self.final_norm(_pad_rows(hidden, pad_to)))[:, :q]
 
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
-        with self._products((self.lm_head,)):
+        with self._products((self.lm_head,), normed.shape[0] * normed.shape[1]):
             return self.finish_logits(self.lm_head(normed))
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,26 @@
-"""Prepacked linear weights: the same products, bitwise, in about half the time, where the CPU computes bf16 natively.
+"""Prepacked linear weights: faster matrix products at the few rows decoding multiplies, on CPUs.
 
-On a CPU a bf16 matrix product goes through oneDNN, which reorders the weight into its blocked layout on every call.
-At the few rows decoding multiplies (one position, or a verify pass of a few) that reorder costs as much as the
-product itself: measured on a 2-core AVX512-BF16/AMX CPU, the 576 x 1536 projection takes 0.07 ms as `F.linear` and
-0.03 ms from a weight reordered once, at every row count from 1 to 16, and the 49,152-row LM head 2.4-4.0 ms against
-1.4-2.1 ms. The outputs are bitwise the same (both run oneDNN's kernel; only the reorder moves).
+On a CPU the library kernels behind `F.linear` lay the weight out for the product on every call, and at the rows
+decoding multiplies (one position, or a verify pass of a few) that costs as much as the product. A weight laid out
+once, ahead, runs faster. Measured on a 2-core x86_64 CPU (SmolLM2-135M's shapes):
 
-So the stack keeps one reordered copy of each linear weight it runs (the decoder layers' and the LM head's: as much
-memory again as those weights) and, for the length of one of its own calls, points those `nn.Linear` modules'
-`forward` at it; a `finally` puts every `forward` back. The model itself never changes: its parameters, state_dict and
-plain HF `generate` are the base's. A weight changed in place (training, `load_state_dict`) is noticed by its version
-counter and packed again; anything the packed kernel does not serve exactly (gradients, a non-contiguous input,
-another dtype) takes the module's own `forward`.
+- **bf16** (oneDNN, on CPUs with AVX512-BF16 or AMX): the 576 x 1536 projection takes 0.07 ms as `F.linear` and 0.03
+  ms from a weight reordered once, at every row count from 1 to 16, and the 49,152-row LM head 2.4-4.0 ms against
+  1.4-2.1 ms. One packed copy serves every row count, and its products equal `F.linear`'s bitwise (both run
+  oneDNN's kernel; only the reorder moves).
+- **float32** (MKL's packed GEMM): a weight is packed for one row count and serves only that one. At 8 rows the LM
+  head takes 5.8 ms against 11.1, at 16 rows 7.0 against 13.7, with the weights streamed from memory as in a pass;
+  one row gains nothing, so plain steps keep `F.linear`. The engine pads a pass to the cheapest measured chunk
+  length (`costs.py`), so the packed row counts are used wherever they pay. The products agree with `F.linear` to
+  float32 rounding, not bitwise, as a chunked forward already does with a one-position one.
 
-Used where it is measured to pay and checked to be exact: bf16 weights on a CPU with AVX512-BF16 or AMX (float32
-products run MKL, which a reorder does not speed up at these shapes; float16 measured no faster), each weight shape
-compared bitwise with `F.linear` once before it is used.
+So the stack keeps packed copies of the linear weights it runs (the decoder layers' and the LM head's: as much
+memory again as those weights per packed row count) and, for the length of one of its own calls, points those
+`nn.Linear` modules' `forward` at them; a `finally` puts every `forward` back. The model itself never changes: its
+parameters, state_dict and plain HF `generate` are the base's. A weight changed in place (training,
+`load_state_dict`) is noticed by its version counter and packed again; anything a packed kernel does not serve
+(gradients, a non-contiguous input, another dtype, a row count not packed) takes the module's own `forward`. Each
+weight shape is checked against `F.linear` once before it is used.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,16 +36,66 @@ from torch import nn
 
 logger = logging.getLogger("early_exit_router")
 
-PACK_HINT_ROWS = 8  # the row count oneDNN packs for; measured as fast as a 1-row pack at 1 row and faster above
-CHECK_ROWS = (1, 3, 8)  # row counts each weight shape is checked at before it is used
+CHECK_ROWS = (1, 3, 8)  # row counts each bf16 weight shape is checked at before it is used
+# Float32 weights smaller than this stay in cache between calls, where MKL's own small-row kernels are as fast.
+MIN_ELEMENTS = {torch.float32: 1 << 17}
+
+
+@dataclass(frozen=True)
+class PackedKernel:
+    """One dtype's packed product: how a weight is packed for a row count, the product from it, and its promise."""
+
+    dtype: torch.dtype
+    layer_rows: tuple[int, ...]  # the row counts a decoder layer's weights are packed for
+    head_rows: tuple[int, ...]  # the row counts the LM head is packed for
+    any_rows: bool  # one packed copy serves every row count (else only the count it was packed for)
+    bitwise: bool  # the product equals F.linear bitwise (else to float rounding)
+    pack: Callable[[torch.Tensor, int], torch.Tensor]
+    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+
+
+def _onednn_product(
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _mkl_product(
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+) -> torch.Tensor:
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)  # F.linear's product at any other row count
+
+
+BFLOAT16 = PackedKernel(
+    dtype=torch.bfloat16,
+    layer_rows=(8,),  # the row count oneDNN packs for: measured as fast as a 1-row pack at 1 row and faster above
+    head_rows=(8,),
+    any_rows=True,
+    bitwise=True,
+    pack=lambda weight, rows: torch.ops.mkldnn._reorder_linear_weight(weight, rows),
+    product=_onednn_product,
+)
+FLOAT32 = PackedKernel(
+    dtype=torch.float32,
+    layer_rows=(8,),  # a verify pass of 8 positions (others pad to it where the cost table finds that cheaper)
+    head_rows=(8, 16),  # the head gains most: 49,152 rows, 11.1 ms at 8 rows unpacked against 5.8
+    any_rows=False,
+    bitwise=False,
+    pack=lambda weight, rows: torch.ops.mkl._mkl_reorder_linear_weight(weight, rows),
+    product=_mkl_product,
+)
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why prepacked weights are not used on `device` in `dtype` (None: they are)."""
     if device.type != "cpu":
         return "not a CPU"
+    if dtype == torch.float32:
+        if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")):
+            return "this torch build has no MKL packed GEMM"
+        return None
     if dtype != torch.bfloat16:
-        return f"{str(dtype).replace('torch.', '')} weights (packing pays for bfloat16)"
+        return f"{str(dtype).replace('torch.', '')} weights (packing pays for float32 and bfloat16)"
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return "this torch build has no oneDNN linear"
     native = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
@@ -50,66 +105,69 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def kernel_for(dtype: torch.dtype | None) -> PackedKernel | None:
+    """The packed product for weights of `dtype` (None: none)."""
+    return {torch.bfloat16: BFLOAT16, torch.float32: FLOAT32}.get(dtype)
+
+
 @dataclass
 class _Packed:
-    """One module's packed weight, the weight state it was packed from, and the forward that uses it."""
+    """One module's packed weights (by row count), the weight state they were packed from, and the forward."""
 
     module: nn.Linear
-    packed: torch.Tensor
+    rows: tuple[int, ...]
+    packed: dict[int, torch.Tensor]
+    any_rows: bool  # one packed copy serves every row count
     version: int
     data_ptr: int
-    forward: Callable[[torch.Tensor], torch.Tensor]
+    forward: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
 
 
 class PackedLinears:
-    """Packed copies of a set of `nn.Linear` weights and the scoped swap that uses them (`active`)."""
+    """Packed copies of a set of `nn.Linear` weights and the scoped swap that uses them (`active`). `head` (if given)
+    is packed for the kernel's head row counts, the others for its layer row counts."""
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], head: nn.Module | None = None) -> None:
         self._entries: dict[int, _Packed] = {}
-        self._exact: dict[tuple[int, int, bool], bool] = {}  # (out, in, bias) -> checked bitwise against F.linear
-        for module in modules:
-            entry = self._pack(module)
+        for module in [*modules, *([head] if head is not None else [])]:
+            kernel = kernel_for(getattr(getattr(module, "weight", None), "dtype", None))
+            if kernel is None:
+                continue
+            entry = self._pack(module, kernel.head_rows if module is head else kernel.layer_rows)
             if entry is not None:
                 self._entries[id(module)] = entry
+        self._count_rows()
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def serves(self, rows: int) -> bool:
+        """Whether some packed copy serves a product over `rows` rows (a plain step's single row, in float32, is
+        left to the modules' own forward without the swap)."""
+        return self._any_rows or rows in self._rows
+
+    def _count_rows(self) -> None:
+        self._any_rows = any(e.any_rows for e in self._entries.values())
+        self._rows = {r for e in self._entries.values() for r in e.packed}
+
     @property
     def nbytes(self) -> int:
-        """Memory held by the packed copies."""
-        return sum(e.module.weight.numel() * e.module.weight.element_size() for e in self._entries.values())
+        """Memory held by the packed copies (one weight's size per packed row count)."""
+        return sum(e.module.weight.nbytes * len(e.packed) for e in self._entries.values())
 
-    def _pack(self, module: nn.Module) -> _Packed | None:
-        """A packed entry for `module`, or None where it cannot be served exactly (its own forward is then used)."""
+    def _pack(self, module: nn.Module, rows: tuple[int, ...]) -> _Packed | None:
+        """A packed entry for `module`, or None where it cannot be served (its own forward is then used)."""
         weight = getattr(module, "weight", None)
-        if not isinstance(module, nn.Linear) or type(weight) is not nn.Parameter or weight.dtype != torch.bfloat16:
+        kernel = kernel_for(getattr(weight, "dtype", None))
+        if kernel is None or not isinstance(module, nn.Linear) or type(weight) is not nn.Parameter:
             return None
         if "forward" in module.__dict__ or weight.device.type != "cpu":  # another wrapper owns this forward
             return None
-        if not self._checked(module):
+        if weight.numel() < MIN_ELEMENTS.get(kernel.dtype, 0) or not _checked(module, kernel, rows):
             return None
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
-        return _Packed(module, packed, weight._version, weight.data_ptr(), _packed_forward(module, packed))
-
-    def _checked(self, module: nn.Linear) -> bool:
-        """Whether the packed product equals `F.linear` bitwise for this weight shape (checked once per shape)."""
-        out_features, in_features = module.weight.shape
-        shape = (out_features, in_features, module.bias is not None)
-        if shape not in self._exact:
-            generator = torch.Generator().manual_seed(0)
-            weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16) * 0.05
-            bias = torch.randn(out_features, generator=generator).to(torch.bfloat16) if shape[2] else None
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
-            exact = True
-            for rows in CHECK_ROWS:
-                x = torch.randn(1, rows, in_features, generator=generator).to(torch.bfloat16)
-                got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-                exact = exact and torch.equal(got, F.linear(x, weight, bias))
-            if not exact:
-                logger.info("early-exit-router: packed %s weights differ from F.linear; not packing them", shape)
-            self._exact[shape] = exact
-        return self._exact[shape]
+        packed = {r: kernel.pack(weight.detach(), r) for r in rows}
+        forward = _packed_forward(module, kernel, packed)
+        return _Packed(module, rows, packed, kernel.any_rows, weight._version, weight.data_ptr(), forward)
 
     @contextmanager
     def active(self, modules: Iterable[nn.Module]) -> Iterator[None]:
@@ -122,7 +180,7 @@ class PackedLinears:
                     continue
                 weight = module.weight
                 if weight._version != entry.version or weight.data_ptr() != entry.data_ptr:
-                    entry = self._repack(module)
+                    entry = self._repack(module, entry.rows)
                     if entry is None:
                         continue
                 module.__dict__["forward"] = entry.forward  # an instance attribute shadows the class's forward
@@ -132,22 +190,56 @@ class PackedLinears:
             for module in swapped:
                 module.__dict__.pop("forward", None)
 
-    def _repack(self, module: nn.Module) -> _Packed | None:
+    def _repack(self, module: nn.Module, rows: tuple[int, ...]) -> _Packed | None:
         """The weight changed in place or moved since it was packed: pack it again (or stop packing it)."""
-        entry = self._pack(module)
+        entry = self._pack(module, rows)
         if entry is None:
             self._entries.pop(id(module), None)
         else:
             self._entries[id(module)] = entry
+        self._count_rows()
         return entry
 
 
-def _packed_forward(module: nn.Linear, packed: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+_CHECKED: dict[tuple[torch.dtype, int, int, bool, tuple[int, ...]], bool] = {}  # shape -> check passed
+
+
+def _checked(module: nn.Linear, kernel: PackedKernel, rows: tuple[int, ...]) -> bool:
+    """Whether the packed product equals `F.linear` for this weight shape, bitwise or to float rounding as the
+    kernel promises (checked once per shape and row counts, in this process)."""
+    out_features, in_features = module.weight.shape
+    shape = (kernel.dtype, out_features, in_features, module.bias is not None, rows)
+    if shape not in _CHECKED:
+        generator = torch.Generator().manual_seed(0)
+        weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).to(kernel.dtype)
+        bias = torch.randn(out_features, generator=generator).to(kernel.dtype) if shape[3] else None
+        exact = True
+        for packed_rows in rows:
+            packed = kernel.pack(weight, packed_rows)
+            for count in CHECK_ROWS if kernel.any_rows else (packed_rows,):
+                x = torch.randn(1, count, in_features, generator=generator).to(kernel.dtype)
+                got, want = kernel.product(x, packed, weight, bias, packed_rows), F.linear(x, weight, bias)
+                close = torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+                exact = exact and (torch.equal(got, want) if kernel.bitwise else close)
+        if not exact:
+            logger.info("early-exit-router: packed %s weights differ from F.linear; not packing them", shape)
+        _CHECKED[shape] = exact
+    return _CHECKED[shape]
+
+
+def _packed_forward(
+    module: nn.Linear, kernel: PackedKernel, packed: dict[int, torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
     original = type(module).forward
+    any_rows = next(iter(packed.items())) if kernel.any_rows else None
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.dtype != torch.bfloat16 or not x.is_contiguous() or x.device.type != "cpu":
+        if torch.is_grad_enabled() or x.dtype != kernel.dtype or not x.is_contiguous() or x.device.type != "cpu":
             return original(module, x)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
+        rows = x.numel() // x.shape[-1]
+        chosen = any_rows or (rows, packed.get(rows))
+        if chosen[1] is None:
+            return original(module, x)
+        return kernel.product(x, chosen[1], module.weight, module.bias, chosen[0])
 
     return forward
