@@ -115,12 +115,15 @@ class _Packed:
     """One module's packed weights (by row count), the weight state they were packed from, and the forward."""
 
     module: nn.Linear
-    rows: tuple[int, ...]
-    packed: dict[int, torch.Tensor]
-    any_rows: bool  # one packed copy serves every row count
+    kernel: PackedKernel
+    packed: dict[int, torch.Tensor]  # row count -> the weight packed for it
     version: int
     data_ptr: int
     forward: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return tuple(self.packed)
 
 
 class PackedLinears:
@@ -147,7 +150,7 @@ class PackedLinears:
         return self._any_rows or rows in self._rows
 
     def _count_rows(self) -> None:
-        self._any_rows = any(e.any_rows for e in self._entries.values())
+        self._any_rows = any(e.kernel.any_rows for e in self._entries.values())
         self._rows = {r for e in self._entries.values() for r in e.packed}
 
     @property
@@ -167,7 +170,7 @@ class PackedLinears:
             return None
         packed = {r: kernel.pack(weight.detach(), r) for r in rows}
         forward = _packed_forward(module, kernel, packed)
-        return _Packed(module, rows, packed, kernel.any_rows, weight._version, weight.data_ptr(), forward)
+        return _Packed(module, kernel, packed, weight._version, weight.data_ptr(), forward)
 
     @contextmanager
     def active(self, modules: Iterable[nn.Module]) -> Iterator[None]:
