@@ -11,6 +11,7 @@ from early_exit_router import EarlyExitRouter
 from early_exit_router.bench.bench import CONTROL, ENGINE_CONTROL, BenchConfig, run_bench
 from early_exit_router.bench.trace import render_trace, trace_legend
 from early_exit_router.cli import main
+from early_exit_router.routing.costs import cpu_model
 from early_exit_router.training.calibrate import (
     CalibrationConfig,
     Candidate,
@@ -78,6 +79,10 @@ def test_bench_runs_every_arm_and_writes_json_and_png(tmp_path, monkeypatch):
     loop = by_arm[("all", ENGINE_CONTROL)]["speedup"]  # every table carries the decode loop alone as its noise band
     assert result.markdown().count("Noise band: the decode loop alone") == 3
     assert f"ran at {loop:.2f}x of plain HF (±{abs(loop - 1):.0%})" in result.markdown()
+    ceilings = result.meta["copy_ceiling"]  # the control's outputs replayed with perfect copies: never below plain
+    assert set(ceilings) == {"templated", "dialogue", "all"} and min(ceilings.values()) >= 1.0
+    assert result.markdown().count("Copy ceiling: ") == 3
+    assert f"CPU ({cpu_model()})" in result.meta["machine"]  # records say which processor they ran on
 
 
 def test_bench_refuses_bad_prompt_records():

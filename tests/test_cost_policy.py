@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -509,3 +510,17 @@ def test_a_table_the_decoders_steps_do_not_fit_is_measured_again(monkeypatch):
     assert asked == [False] and slow.stale  # 39 plain steps, each far below the table's
     router.generate(prompt(0), max_new_tokens=4, mode="verify")
     assert asked == [False, True]
+
+
+def test_a_table_measured_on_another_processor_is_not_reused(monkeypatch):
+    """A virtual machine may come back on another host's processor: the cost key names the CPU model, so a cached
+    table from one model of processor is never read on another."""
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    monkeypatch.setattr(costs, "cpu_model", lambda: "Vendor A 9000")
+    first = costs.cost_key(router.stack, 0)
+    monkeypatch.setattr(costs, "cpu_model", lambda: "Vendor B 7000")
+    second = costs.cost_key(router.stack, 0)
+    assert first["device"] == f"cpu:Vendor A 9000 x{os.cpu_count()}" and second["device"].startswith("cpu:Vendor B")
+    assert costs.cache_path(first) != costs.cache_path(second)
+    monkeypatch.undo()
+    assert costs.cpu_model().strip() and costs.cpu_model() in costs.cost_key(router.stack, 0)["device"]

@@ -40,9 +40,11 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from early_exit_router.bench.compute import ComputeMeter
+from early_exit_router.bench.copy_ceiling import copy_ceilings
 from early_exit_router.bench.quality import score_quality
 from early_exit_router.bench.report import format_markdown, plot_tradeoff
 from early_exit_router.bench.timing import ArrivalStreamer, latencies, peak_memory_mb, reset_peak_memory
+from early_exit_router.routing.costs import cpu_model
 
 CONTROL = "plain HF generate"
 ENGINE_CONTROL = "router, exits off"
@@ -272,6 +274,10 @@ def run_bench(
         reference = reference()
     score_quality(router, prompts, encoded, records, reference, control_arm=CONTROL)
     meta = _meta(router, cfg, prompts)
+    if router.config.policy == "cost" and router.config.ngram_tier:
+        control = {r.prompt_id: (r.category, r.new_ids) for r in records if r.arm == CONTROL and r.repeat == 0}
+        units = request_units(prompts)
+        meta["copy_ceiling"] = copy_ceilings(prompts, encoded, control, units, router.costs(), router.config)
     if reference is not None:
         meta["reference_dtype"] = str(next(reference.parameters()).dtype).replace("torch.", "")
     return BenchResult(meta, arms, records, summarize(records, arms))
@@ -450,7 +456,9 @@ def _meta(router: Any, cfg: BenchConfig, prompts: Sequence[dict]) -> dict[str, A
     if device.type == "cuda":
         machine = torch.cuda.get_device_name(device)
     else:
-        machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+        machine = (
+            f"{platform.machine()} CPU ({cpu_model()}), {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+        )
     return {
         "model": router.describe(),
         "machine": machine,

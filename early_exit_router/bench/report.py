@@ -13,6 +13,12 @@ def format_value(value: Any, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
 
+COPY_CEILING = (
+    "the control's outputs with every copy the n-gram tier finds drafted exactly as far as it is right, each pass "
+    "at the cost table's price, plain steps elsewhere: `bench/copy_ceiling.py`"
+)
+
+
 def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
     """The summary as markdown: a header, then one table per category."""
     lines = [
@@ -66,6 +72,9 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
             ]
             lines.append("| " + " | ".join(cells) + " |")
         lines += _noise_band(rows, bool(meta.get("packed_weights")))
+        ceiling = (meta.get("copy_ceiling") or {}).get(category)
+        if ceiling is not None:
+            lines += ["", f"Copy ceiling: {ceiling:.2f}x ({COPY_CEILING})."]
     if meta.get("cost_model"):
         from early_exit_router.routing.costs import CostModel
 

@@ -209,16 +209,36 @@ class CostModel:
         return cls(list(layer_ms), list(head_ms), draft_head_ms, 0.0, num_layers, {"device": "synthetic"})
 
 
+def device_name(device: torch.device) -> str:
+    """The device's model as costs depend on it: the GPU's name, or the CPU's model and core count (a virtual
+    machine may come back on another host's processor, whose kernels price a pass differently)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_model()} x{os.cpu_count()}"
+
+
+def cpu_model() -> str:
+    """The processor's model name ("cpu" where the system does not say)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip() or "cpu"
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
 def cost_key(stack: Any, draft_vocab_size: int) -> dict[str, Any]:
-    """What the measured costs depend on: the model's shape, the device, dtype, threads and library versions, and the
-    draft head's size; no per-call option (a request's `max_pending` never starts a measurement)."""
+    """What the measured costs depend on: the model's shape, the device (`device_name`), dtype, threads and library
+    versions, and the draft head's size; no per-call option (a request's `max_pending` never starts a measurement)."""
     import transformers
 
     from early_exit_router._version import __version__
 
     cfg = stack.config
     device = stack.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{os.cpu_count()}"
     return {
         "model_type": str(getattr(cfg, "model_type", "")),
         "num_layers": stack.num_layers,
@@ -227,7 +247,7 @@ def cost_key(stack: Any, draft_vocab_size: int) -> dict[str, Any]:
         "num_attention_heads": getattr(cfg, "num_attention_heads", None),
         "num_key_value_heads": getattr(cfg, "num_key_value_heads", None),
         "vocab_size": stack.vocab_size,
-        "device": f"{device.type}:{name}",
+        "device": f"{device.type}:{device_name(device)}",
         "dtype": str(stack.dtype).replace("torch.", ""),
         "weights": sorted(stack.weight_formats()),  # a quantized base has costs of its own
         "packed_weights": len(stack.packed_weights or ()),  # products from prepacked weights cost less
