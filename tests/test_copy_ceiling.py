@@ -26,6 +26,11 @@ def test_a_copy_is_drafted_exactly_as_far_as_it_is_right_and_pays_one_pass():
     assert replay_cost(prompt, output, DEAR, CONFIG, None) == len(output)
     # No copy in sight: one plain step per token.
     assert replay_cost([1, 2, 3], [7, 8, 9, 10], FLAT, CONFIG, None) == 4.0
+    # Where chunks cost less than one position (prepacked kernels serve chunks only), a wrong draft beats a plain
+    # step: each token then costs one pass over two positions.
+    cheap = CostModel.synthetic(2, [1.0] + [0.5] * 39, [1.0] + [0.5] * 39)
+    assert replay_cost([1, 2, 3], [7, 8, 9, 10], cheap, CONFIG, None) == 4 * 0.5
+    assert replay_cost(prompt, output, cheap, CONFIG, None) == 6 * 0.5
 
 
 def test_later_calls_of_a_sequence_copy_what_the_earlier_ones_stored():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -524,3 +525,14 @@ def test_a_table_measured_on_another_processor_is_not_reused(monkeypatch):
     assert costs.cache_path(first) != costs.cache_path(second)
     monkeypatch.undo()
     assert costs.cpu_model().strip() and costs.cpu_model() in costs.cost_key(router.stack, 0)["device"]
+
+
+def test_chunks_from_prepacked_weights_may_cost_less_than_one_position_and_are_held_to_the_shortest_chunk():
+    """Where a pass's products run from prepacked weights and a plain step's do not (float32 on some CPUs), a chunk
+    may cost less than one position: the table is plausible then, and a chunk is compared with the shortest chunk."""
+    cheap_chunks = CostModel.synthetic(6, [2.0] + [0.8] * 15, [8.0] + [3.0] * 15)
+    assert cheap_chunks.problems()  # no packing named in its key: one position is the reference
+    packed = dataclasses.replace(cheap_chunks, key={"packed_min_rows": 2})
+    assert packed.problems() == []
+    skewed = dataclasses.replace(packed, layer_ms=[2.0, 3.0] + [0.8] * 14)
+    assert "under 0.5x 2 positions' 3 ms" in skewed.problems()[0]

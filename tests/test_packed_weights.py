@@ -92,20 +92,21 @@ def test_a_model_cast_to_float32_stops_packing_and_unpatch_frees_the_copies():
     assert router.stack.packed_weights is None
 
 
-@pytest.fixture
-def fp32_packed(monkeypatch):
-    """A float32 router whose tiny weights are packed (the size bound lowered), and a count of packed products."""
-    if packing_supported(torch.device("cpu"), torch.float32) is not None:
-        pytest.skip("this torch build has no MKL packed GEMM")
+@pytest.fixture(params=["mkl", "onednn"])
+def fp32_packed(monkeypatch, request):
+    """A float32 router whose tiny weights are packed (the size bound lowered) with each float32 kernel in turn, and a
+    count of packed products (the row count each was packed for)."""
+    kernel = {"mkl": packed_module.FLOAT32, "onednn": packed_module.FLOAT32_ONEDNN}[request.param]
+    if not packed_module._available(kernel):
+        pytest.skip(f"this torch build has no {kernel.name} packed product")
     monkeypatch.setitem(packed_module.MIN_ELEMENTS, torch.float32, 0)
     calls = []
-    product = packed_module.FLOAT32.product
 
     def counted(x, packed, weight, bias, rows):
         calls.append(rows)
-        return product(x, packed, weight, bias, rows)
+        return kernel.product(x, packed, weight, bias, rows)
 
-    monkeypatch.setattr(packed_module, "FLOAT32", dataclasses.replace(packed_module.FLOAT32, product=counted))
+    monkeypatch.setattr(packed_module, "float32_kernel", lambda: dataclasses.replace(kernel, product=counted))
     router = EarlyExitRouter.from_model(tiny_llama(0), tiny_tokenizer(), exit_layers=[1, 3])
     calls.clear()  # the shape checks' own products
     return router, calls
@@ -115,27 +116,57 @@ def test_float32_packs_serve_their_row_counts_to_float_rounding_and_others_take_
     router, calls = fp32_packed
     stack, model = router.stack, router.model
     packed = stack.packed_weights
+    kernel = packed_module.float32_kernel()
     assert len(packed) == sum(isinstance(m, nn.Linear) for m in model.modules())
-    assert packed.nbytes == sum(m.weight.nbytes for m in stack.layers.modules() if isinstance(m, nn.Linear)) + (
-        2 * stack.lm_head.weight.nbytes  # the head is packed for 8 and for 16 rows
-    )
+    layers = sum(m.weight.nbytes for m in stack.layers.modules() if isinstance(m, nn.Linear))
+    assert packed.nbytes == layers * len(kernel.layer_rows) + stack.lm_head.weight.nbytes * len(kernel.head_rows)
+    assert not packed.serves(1)  # a plain step's products stay the model's own, bitwise, with either kernel
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    for rows, packed_rows in ((8, {8}), (16, {16}), (5, set())):
+    for rows in (1, 5, 8, 16):
         ids = torch.arange(3, 3 + rows).unsqueeze(0)
         with torch.no_grad():
             hidden = stack.embed(ids)
             positions = torch.arange(rows).unsqueeze(0)
             calls.clear()
             got = stack.logits(stack.run(hidden, 0, stack.num_layers, stack.new_cache(), positions))
-            assert set(calls) == packed_rows, rows  # layers at 8 rows, the head at 8 and 16, nothing at 5
+            served = packed.serves(rows)
+            assert bool(calls) == served, rows
+            if not kernel.any_rows:  # MKL: layers at 8 rows, the head at 8 and 16, nothing else
+                assert set(calls) == {rows} & {8, 16} and served == (rows in (8, 16))
             stack.use_packed_weights(False)
             want = stack.logits(stack.run(hidden, 0, stack.num_layers, stack.new_cache(), positions))
             stack.use_packed_weights(True)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-        if not packed_rows:
+        if not served:
             assert torch.equal(got, want)
+    assert kernel.any_rows == packed.serves(5)  # oneDNN: one copy for every row count from 2 up
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_the_float32_kernel_is_the_faster_one_measured_once_per_process(monkeypatch):
+    probed = []
+    speeds = {"mkl": 2.0, "onednn": 1.0}
+
+    def probe(kernel):
+        probed.append(kernel.name)
+        return speeds[kernel.name]
+
+    monkeypatch.setattr(packed_module, "_probe_ms", probe)
+    monkeypatch.setattr(packed_module, "_available", lambda kernel: True)
+    monkeypatch.setattr(packed_module, "_FLOAT32_CHOICE", [])
+    assert packed_module.float32_kernel() is packed_module.FLOAT32_ONEDNN
+    assert packed_module.kernel_for(torch.float32) is packed_module.FLOAT32_ONEDNN and len(probed) == 2  # once
+    speeds.update(mkl=0.5)
+    monkeypatch.setattr(packed_module, "_FLOAT32_CHOICE", [])
+    assert packed_module.float32_kernel() is packed_module.FLOAT32
+    monkeypatch.setattr(packed_module, "_available", lambda kernel: kernel.name == "onednn")
+    monkeypatch.setattr(packed_module, "_FLOAT32_CHOICE", [])
+    assert packed_module.float32_kernel() is packed_module.FLOAT32_ONEDNN and len(probed) == 4  # one kernel: no probe
+    monkeypatch.undo()
+    for kernel in packed_module.FLOAT32_KERNELS:  # the real probe times a product from streamed weights
+        if packed_module._available(kernel):
+            assert packed_module._probe_ms(kernel) > 0
 
 
 def test_float32_packed_verify_passes_keep_greedy_output_and_the_cache_exact(fp32_packed):

@@ -4,7 +4,9 @@ Each output of the control is replayed token by token after its prompt. Where th
 context, and for a sequence's later calls what the earlier calls stored, as the router's store holds them) proposes
 a copy whose first token is right, an oracle drafts exactly the part the full model accepts (at most `ngram_draft`
 tokens) and verifies it in one pass with the current token, which also yields the token after it. Elsewhere a plain
-step makes one token. Each cycle costs what the cost table says (`CostModel.pass_ms` over its plain step).
+step makes one token, or a pass over a wrong draft where the cost table prices that below a plain step (prepacked
+kernels can make a short chunk cheaper than one position). Each cycle costs what the cost table says
+(`CostModel.pass_ms` over its plain step), at the cheapest draft length that holds the right part.
 
 So the ceiling counts no wasted draft position, no rejected chain and no decode-loop overhead: it says how much of
 an output copying could ever make cheaper on this machine. Beside it, the router's measured speedup shows what the
@@ -38,7 +40,10 @@ def replay_cost(
             if proposal.tokens[right] != output[made + right]:
                 break
             right += 1
-        total += min(costs.pass_ms(1, 1 + right) / plain, right + 1.0) if right else 1.0
+        # The cheapest cycle that makes these tokens: plain steps, or one pass over at least the right drafts (a
+        # longer or wrong draft can cost less where chunks run faster kernels than one position does).
+        passes = (costs.pass_ms(1, 1 + d) / plain for d in range(max(right, 1), max(right, config.ngram_draft) + 1))
+        total += min(right + 1.0, *passes)
         step = min(right + 1, len(output) - made)  # the drafts the full model accepts and its own token after them
         tokens += output[made : made + step]
         made += step

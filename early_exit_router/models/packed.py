@@ -8,11 +8,14 @@ once, ahead, runs faster. Measured on a 2-core x86_64 CPU (SmolLM2-135M's shapes
   ms from a weight reordered once, at every row count from 1 to 16, and the 49,152-row LM head 2.4-4.0 ms against
   1.4-2.1 ms. One packed copy serves every row count, and its products equal `F.linear`'s bitwise (both run
   oneDNN's kernel; only the reorder moves).
-- **float32** (MKL's packed GEMM): a weight is packed for one row count and serves only that one. At 8 rows the LM
-  head takes 5.8 ms against 11.1, at 16 rows 7.0 against 13.7, with the weights streamed from memory as in a pass;
-  one row gains nothing, so plain steps keep `F.linear`. The engine pads a pass to the cheapest measured chunk
-  length (`costs.py`), so the packed row counts are used wherever they pay. The products agree with `F.linear` to
-  float32 rounding, not bitwise, as a chunked forward already does with a one-position one.
+- **float32**, whichever of two kernels is faster on the processor (measured once per process, `float32_kernel`):
+  MKL's packed GEMM, where a weight is packed for one row count and serves only that one (on a host with AMX, at 8
+  rows the LM head took 5.8 ms against 11.1, at 16 rows 7.0 against 13.7, weights streamed from memory as in a pass),
+  or oneDNN's reordered weights, one copy for every row count (on an AMD EPYC host the head took 3.9 ms at 8 rows
+  against MKL's 14.6 and `F.linear`'s 21.2). Plain steps keep `F.linear` either way, so the router's single-position
+  forward stays the model's own; the engine pads a pass to the cheapest measured chunk length (`costs.py`). The
+  products agree with `F.linear` to float32 rounding, not bitwise, as a chunked forward already does with a
+  one-position one.
 
 So the stack keeps packed copies of the linear weights it runs (the decoder layers' and the LM head's: as much
 memory again as those weights per packed row count) and, for the length of one of its own calls, points those
@@ -26,6 +29,8 @@ weight shape is checked against `F.linear` once before it is used.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,6 +50,7 @@ MIN_ELEMENTS = {torch.float32: 1 << 17}
 class PackedKernel:
     """One dtype's packed product: how a weight is packed for a row count, the product from it, and its promise."""
 
+    name: str
     dtype: torch.dtype
     layer_rows: tuple[int, ...]  # the row counts a decoder layer's weights are packed for
     head_rows: tuple[int, ...]  # the row counts the LM head is packed for
@@ -52,6 +58,7 @@ class PackedKernel:
     bitwise: bool  # the product equals F.linear bitwise (else to float rounding)
     pack: Callable[[torch.Tensor, int], torch.Tensor]
     product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+    min_rows: int = 1  # products over fewer rows take the module's own forward (F.linear)
 
 
 def _onednn_product(
@@ -67,6 +74,7 @@ def _mkl_product(
 
 
 BFLOAT16 = PackedKernel(
+    name="onednn",
     dtype=torch.bfloat16,
     layer_rows=(8,),  # the row count oneDNN packs for: measured as fast as a 1-row pack at 1 row and faster above
     head_rows=(8,),
@@ -76,6 +84,7 @@ BFLOAT16 = PackedKernel(
     product=_onednn_product,
 )
 FLOAT32 = PackedKernel(
+    name="mkl",
     dtype=torch.float32,
     layer_rows=(8,),  # a verify pass of 8 positions (others pad to it where the cost table finds that cheaper)
     head_rows=(8, 16),  # the head gains most: 49,152 rows, 11.1 ms at 8 rows unpacked against 5.8
@@ -84,6 +93,19 @@ FLOAT32 = PackedKernel(
     pack=lambda weight, rows: torch.ops.mkl._mkl_reorder_linear_weight(weight, rows),
     product=_mkl_product,
 )
+FLOAT32_ONEDNN = PackedKernel(
+    name="onednn",
+    dtype=torch.float32,
+    layer_rows=(8,),  # one reordered copy serves every row count from 2 up
+    head_rows=(8,),
+    any_rows=True,
+    bitwise=False,
+    pack=lambda weight, rows: torch.ops.mkldnn._reorder_linear_weight(weight, rows),
+    product=_onednn_product,
+    min_rows=2,  # a plain step keeps F.linear: its output stays the model's own, bitwise
+)
+FLOAT32_KERNELS = (FLOAT32, FLOAT32_ONEDNN)
+PROBE_SHAPE, PROBE_COPIES, PROBE_ROWS = (4096, 1024), 4, 8  # 64 MiB of weights: streamed from memory, as in a pass
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -91,12 +113,10 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cpu":
         return "not a CPU"
     if dtype == torch.float32:
-        if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")):
-            return "this torch build has no MKL packed GEMM"
-        return None
+        return None if _available(FLOAT32) or _available(FLOAT32_ONEDNN) else "this torch build has no packed GEMM"
     if dtype != torch.bfloat16:
         return f"{str(dtype).replace('torch.', '')} weights (packing pays for float32 and bfloat16)"
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+    if not _available(BFLOAT16):
         return "this torch build has no oneDNN linear"
     native = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -107,7 +127,45 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def kernel_for(dtype: torch.dtype | None) -> PackedKernel | None:
     """The packed product for weights of `dtype` (None: none)."""
-    return {torch.bfloat16: BFLOAT16, torch.float32: FLOAT32}.get(dtype)
+    if dtype == torch.float32:
+        return float32_kernel()
+    return BFLOAT16 if dtype == torch.bfloat16 else None
+
+
+def _available(kernel: PackedKernel) -> bool:
+    """Whether this torch build has `kernel`'s operators (MKL's packed GEMM, or oneDNN's linear)."""
+    if kernel is FLOAT32:
+        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+_FLOAT32_CHOICE: list[PackedKernel | None] = []  # this process's measured choice, once made
+
+
+def float32_kernel() -> PackedKernel | None:
+    """The faster float32 kernel on this CPU, measured once per process at a pass's row count on weights streamed
+    from memory: MKL's packed GEMM or oneDNN's reordered weights (their speed depends on the processor: on a 2-core
+    AMD EPYC host oneDNN ran the 49,152 x 576 LM head at 8 rows in 3.9 ms against MKL's 14.6 and F.linear's 21.2)."""
+    if not _FLOAT32_CHOICE:
+        usable = [k for k in FLOAT32_KERNELS if _available(k)]
+        _FLOAT32_CHOICE.append(min(usable, key=_probe_ms) if len(usable) > 1 else next(iter(usable), None))
+        if _FLOAT32_CHOICE[0] is not None:
+            logger.info("early-exit-router: float32 products from %s packed weights", _FLOAT32_CHOICE[0].name)
+    return _FLOAT32_CHOICE[0]
+
+
+def _probe_ms(kernel: PackedKernel) -> float:
+    """Median ms of one product over PROBE_ROWS rows with `kernel`, cycling through weights too large to stay cached."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(*PROBE_SHAPE, generator=generator) for _ in range(PROBE_COPIES)]
+    packs = [kernel.pack(w, PROBE_ROWS) for w in weights]
+    x = torch.randn(PROBE_ROWS, PROBE_SHAPE[1], generator=generator)
+    times = []
+    for k in range(3 * PROBE_COPIES):
+        start = time.perf_counter()
+        kernel.product(x, packs[k % PROBE_COPIES], weights[k % PROBE_COPIES], None, PROBE_ROWS)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[PROBE_COPIES:]) * 1000  # the first round warms the kernel up
 
 
 @dataclass
@@ -147,11 +205,23 @@ class PackedLinears:
     def serves(self, rows: int) -> bool:
         """Whether some packed copy serves a product over `rows` rows (a plain step's single row, in float32, is
         left to the modules' own forward without the swap)."""
-        return self._any_rows or rows in self._rows
+        return (self._any_rows and rows >= self._min_rows) or rows in self._rows
 
     def _count_rows(self) -> None:
-        self._any_rows = any(e.kernel.any_rows for e in self._entries.values())
+        any_rows = [e.kernel.min_rows for e in self._entries.values() if e.kernel.any_rows]
+        self._any_rows, self._min_rows = bool(any_rows), min(any_rows, default=1)
         self._rows = {r for e in self._entries.values() for r in e.packed}
+
+    @property
+    def min_rows(self) -> int:
+        """The fewest rows a packed copy serves (a plain step's single row runs the modules' own forward above 1)."""
+        served = [e.kernel.min_rows if e.kernel.any_rows else min(e.packed) for e in self._entries.values()]
+        return min(served, default=1)
+
+    @property
+    def kernels(self) -> list[str]:
+        """The packed kernels in use, by name (a measured cost depends on them)."""
+        return sorted({e.kernel.name for e in self._entries.values()})
 
     @property
     def nbytes(self) -> int:
@@ -204,22 +274,22 @@ class PackedLinears:
         return entry
 
 
-_CHECKED: dict[tuple[torch.dtype, int, int, bool, tuple[int, ...]], bool] = {}  # shape -> check passed
+_CHECKED: dict[tuple[str, torch.dtype, int, int, bool, tuple[int, ...]], bool] = {}  # shape -> check passed
 
 
 def _checked(module: nn.Linear, kernel: PackedKernel, rows: tuple[int, ...]) -> bool:
     """Whether the packed product equals `F.linear` for this weight shape, bitwise or to float rounding as the
     kernel promises (checked once per shape and row counts, in this process)."""
     out_features, in_features = module.weight.shape
-    shape = (kernel.dtype, out_features, in_features, module.bias is not None, rows)
+    shape = (kernel.name, kernel.dtype, out_features, in_features, module.bias is not None, rows)
     if shape not in _CHECKED:
         generator = torch.Generator().manual_seed(0)
         weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).to(kernel.dtype)
-        bias = torch.randn(out_features, generator=generator).to(kernel.dtype) if shape[3] else None
+        bias = torch.randn(out_features, generator=generator).to(kernel.dtype) if module.bias is not None else None
         exact = True
         for packed_rows in rows:
             packed = kernel.pack(weight, packed_rows)
-            for count in CHECK_ROWS if kernel.any_rows else (packed_rows,):
+            for count in [r for r in CHECK_ROWS if r >= kernel.min_rows] if kernel.any_rows else (packed_rows,):
                 x = torch.randn(1, count, in_features, generator=generator).to(kernel.dtype)
                 got, want = kernel.product(x, packed, weight, bias, packed_rows), F.linear(x, weight, bias)
                 close = torch.allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -240,6 +310,8 @@ def _packed_forward(
         if torch.is_grad_enabled() or x.dtype != kernel.dtype or not x.is_contiguous() or x.device.type != "cpu":
             return original(module, x)
         rows = x.numel() // x.shape[-1]
+        if rows < kernel.min_rows:
+            return original(module, x)
         chosen = any_rows or (rows, packed.get(rows))
         if chosen[1] is None:
             return original(module, x)
