@@ -483,7 +483,6 @@ def test_a_table_that_looks_wrong_is_not_drafted_from(mode):
 
 def test_a_measurement_that_looks_wrong_is_taken_again_and_never_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
-    import dataclasses
 
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
     key = costs.cost_key(router.stack, 0)

@@ -251,6 +251,7 @@ def run_bench(
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {cfg.temperature}.")
     runner = _Runner(router, cfg.max_new_tokens, cfg.temperature)
     encoded = [_encode(router, p) for p in prompts]
+    units = request_units(prompts)
     records: list[RunRecord] = []
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # HF's assisted-generation notices and our monitor's warnings: noise here
@@ -261,7 +262,7 @@ def run_bench(
                     runner.run(arm, encoded[0][:, :8])
             bar = tqdm(total=cfg.repeats * len(prompts) * len(arms), disable=not progress, desc="bench", unit="run")
             for repeat in range(cfg.repeats):
-                for u_idx, unit in enumerate(request_units(prompts)):
+                for u_idx, unit in enumerate(units):
                     shift = (u_idx + repeat) % len(arms)
                     for arm in arms[shift:] + arms[:shift]:
                         for call, p_idx in enumerate(unit):  # a sequence's calls in order, one arm at a time
@@ -276,7 +277,6 @@ def run_bench(
     meta = _meta(router, cfg, prompts)
     if router.config.policy == "cost" and router.config.ngram_tier:
         control = {r.prompt_id: (r.category, r.new_ids) for r in records if r.arm == CONTROL and r.repeat == 0}
-        units = request_units(prompts)
         meta["copy_ceiling"] = copy_ceilings(prompts, encoded, control, units, router.costs(), router.config)
     if reference is not None:
         meta["reference_dtype"] = str(next(reference.parameters()).dtype).replace("torch.", "")

@@ -71,7 +71,7 @@ def copy_ceilings(
         for k in unit:
             reported, output = control[prompts[k]["id"]]
             prompt = encoded[k][0].tolist()
-            units_spent = replay_cost(prompt, output, costs, config, store if config.ngram_store_tokens > 0 else None)
+            units_spent = replay_cost(prompt, output, costs, config, store)  # a store of 0 tokens keeps nothing
             for category in (reported, "all"):
                 tokens[category] += len(output)
                 cost[category] += units_spent

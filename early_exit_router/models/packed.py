@@ -205,18 +205,17 @@ class PackedLinears:
     def serves(self, rows: int) -> bool:
         """Whether some packed copy serves a product over `rows` rows (a plain step's single row, in float32, is
         left to the modules' own forward without the swap)."""
-        return (self._any_rows and rows >= self._min_rows) or rows in self._rows
+        return (self._any_from is not None and rows >= self._any_from) or rows in self._rows
 
     def _count_rows(self) -> None:
-        any_rows = [e.kernel.min_rows for e in self._entries.values() if e.kernel.any_rows]
-        self._any_rows, self._min_rows = bool(any_rows), min(any_rows, default=1)
+        # The fewest rows a copy packed for any row count serves (None: no such copy), and the counts others serve.
+        self._any_from = min((e.kernel.min_rows for e in self._entries.values() if e.kernel.any_rows), default=None)
         self._rows = {r for e in self._entries.values() for r in e.packed}
 
     @property
     def min_rows(self) -> int:
         """The fewest rows a packed copy serves (a plain step's single row runs the modules' own forward above 1)."""
-        served = [e.kernel.min_rows if e.kernel.any_rows else min(e.packed) for e in self._entries.values()]
-        return min(served, default=1)
+        return min({*self._rows, *([] if self._any_from is None else [self._any_from])}, default=1)
 
     @property
     def kernels(self) -> list[str]:

@@ -19,6 +19,7 @@ step; a table with problems is measured again, not cached, and a decoder does no
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import logging
@@ -221,6 +222,7 @@ def device_name(device: torch.device) -> str:
     return f"{cpu_model()} x{os.cpu_count()}"
 
 
+@functools.cache  # read once per process: cost_key asks on every generate call
 def cpu_model() -> str:
     """The processor's model name ("cpu" where the system does not say)."""
     try:
