@@ -61,3 +61,8 @@ def test_the_report_prints_each_categorys_ceiling():
     text = format_markdown(meta, [{**row, "category": "grounded"}, {**row, "category": "all"}])
     assert text.count("Copy ceiling: 2.50x") == 2
     assert "Copy ceiling" not in format_markdown({**meta, "copy_ceiling": None}, [{**row, "category": "all"}])
+    # Plain steps from prepacked weights: the ceiling, priced in the router's own plain steps, also over plain HF.
+    loop = {**row, "arm": "router, exits off", "family": "engine control", "speedup": 1.6, "category": "all"}
+    text = format_markdown({**meta, "packed_weights": 151}, [{**row, "category": "all"}, loop])
+    assert "Copy ceiling: 2.50x over the router's plain decoding, 4.00x over plain HF" in text
+    assert "4.00x" not in format_markdown(meta, [{**row, "category": "all"}, loop])  # no packing: the loop is noise

@@ -92,11 +92,18 @@ def test_a_model_cast_to_float32_stops_packing_and_unpatch_frees_the_copies():
     assert router.stack.packed_weights is None
 
 
-@pytest.fixture(params=["mkl", "onednn"])
+FLOAT32_VARIANTS = {
+    "mkl": packed_module.FLOAT32,
+    "onednn": packed_module.FLOAT32_ONEDNN,
+    "onednn from one row": dataclasses.replace(packed_module.FLOAT32_ONEDNN, min_rows=1),  # where measured faster
+}
+
+
+@pytest.fixture(params=list(FLOAT32_VARIANTS))
 def fp32_packed(monkeypatch, request):
     """A float32 router whose tiny weights are packed (the size bound lowered) with each float32 kernel in turn, and a
     count of packed products (the row count each was packed for)."""
-    kernel = {"mkl": packed_module.FLOAT32, "onednn": packed_module.FLOAT32_ONEDNN}[request.param]
+    kernel = FLOAT32_VARIANTS[request.param]
     if not packed_module._available(kernel):
         pytest.skip(f"this torch build has no {kernel.name} packed product")
     monkeypatch.setitem(packed_module.MIN_ELEMENTS, torch.float32, 0)
@@ -120,7 +127,7 @@ def test_float32_packs_serve_their_row_counts_to_float_rounding_and_others_take_
     assert len(packed) == sum(isinstance(m, nn.Linear) for m in model.modules())
     layers = sum(m.weight.nbytes for m in stack.layers.modules() if isinstance(m, nn.Linear))
     assert packed.nbytes == layers * len(kernel.layer_rows) + stack.lm_head.weight.nbytes * len(kernel.head_rows)
-    assert not packed.serves(1)  # a plain step's products stay the model's own, bitwise, with either kernel
+    assert packed.serves(1) == (kernel.any_rows and kernel.min_rows == 1)  # else plain steps stay bitwise HF
     state = {k: v.clone() for k, v in model.state_dict().items()}
     for rows in (1, 5, 8, 16):
         ids = torch.arange(3, 3 + rows).unsqueeze(0)
@@ -139,34 +146,37 @@ def test_float32_packs_serve_their_row_counts_to_float_rounding_and_others_take_
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         if not served:
             assert torch.equal(got, want)
-    assert kernel.any_rows == packed.serves(5)  # oneDNN: one copy for every row count from 2 up
+    assert kernel.any_rows == packed.serves(5)  # oneDNN: one copy for every row count from its fewest up
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
 def test_the_float32_kernel_is_the_faster_one_measured_once_per_process(monkeypatch):
     probed = []
-    speeds = {"mkl": 2.0, "onednn": 1.0}
+    speeds = {("mkl", 8): 2.0, ("onednn", 8): 1.0, ("onednn", 1): 3.0, ("F.linear", 1): 2.0}
 
-    def probe(kernel):
-        probed.append(kernel.name)
-        return speeds[kernel.name]
+    def probe(kernel, rows=8):
+        probed.append((kernel.name if kernel else "F.linear", rows))
+        return speeds[probed[-1]]
+
+    def choose(available=lambda kernel: True):
+        monkeypatch.setattr(packed_module, "_available", available)
+        monkeypatch.setattr(packed_module, "_FLOAT32_CHOICE", [])
+        probed.clear()
+        return packed_module.float32_kernel()
 
     monkeypatch.setattr(packed_module, "_probe_ms", probe)
-    monkeypatch.setattr(packed_module, "_available", lambda kernel: True)
-    monkeypatch.setattr(packed_module, "_FLOAT32_CHOICE", [])
-    assert packed_module.float32_kernel() is packed_module.FLOAT32_ONEDNN
-    assert packed_module.kernel_for(torch.float32) is packed_module.FLOAT32_ONEDNN and len(probed) == 2  # once
-    speeds.update(mkl=0.5)
-    monkeypatch.setattr(packed_module, "_FLOAT32_CHOICE", [])
-    assert packed_module.float32_kernel() is packed_module.FLOAT32
-    monkeypatch.setattr(packed_module, "_available", lambda kernel: kernel.name == "onednn")
-    monkeypatch.setattr(packed_module, "_FLOAT32_CHOICE", [])
-    assert packed_module.float32_kernel() is packed_module.FLOAT32_ONEDNN and len(probed) == 4  # one kernel: no probe
+    assert choose() is packed_module.FLOAT32_ONEDNN  # slower than F.linear at one row: a plain step keeps F.linear
+    assert packed_module.kernel_for(torch.float32) is packed_module.FLOAT32_ONEDNN and len(probed) == 4  # once
+    speeds[("onednn", 1)] = 1.0
+    assert choose() == dataclasses.replace(packed_module.FLOAT32_ONEDNN, min_rows=1)  # faster: it serves one row
+    speeds[("mkl", 8)] = 0.5
+    assert choose() is packed_module.FLOAT32 and probed == [("mkl", 8), ("onednn", 8)]  # packed per row count
+    assert choose(lambda kernel: kernel.name == "onednn").min_rows == 1 and ("onednn", 8) not in probed  # one kernel
     monkeypatch.undo()
-    for kernel in packed_module.FLOAT32_KERNELS:  # the real probe times a product from streamed weights
-        if packed_module._available(kernel):
-            assert packed_module._probe_ms(kernel) > 0
+    for kernel in [None, *packed_module.FLOAT32_KERNELS]:  # the real probe times a product from streamed weights
+        if kernel is None or packed_module._available(kernel):
+            assert packed_module._probe_ms(kernel) > 0 and packed_module._probe_ms(kernel, 1) > 0
 
 
 def test_float32_packed_verify_passes_keep_greedy_output_and_the_cache_exact(fp32_packed):

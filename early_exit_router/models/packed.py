@@ -12,10 +12,11 @@ once, ahead, runs faster. Measured on a 2-core x86_64 CPU (SmolLM2-135M's shapes
   MKL's packed GEMM, where a weight is packed for one row count and serves only that one (on a host with AMX, at 8
   rows the LM head took 5.8 ms against 11.1, at 16 rows 7.0 against 13.7, weights streamed from memory as in a pass),
   or oneDNN's reordered weights, one copy for every row count (on an AMD EPYC host the head took 3.9 ms at 8 rows
-  against MKL's 14.6 and `F.linear`'s 21.2). Plain steps keep `F.linear` either way, so the router's single-position
-  forward stays the model's own; the engine pads a pass to the cheapest measured chunk length (`costs.py`). The
-  products agree with `F.linear` to float32 rounding, not bitwise, as a chunked forward already does with a
-  one-position one.
+  against MKL's 14.6 and `F.linear`'s 21.2). A plain step's single row runs from oneDNN's copy too where that is
+  measured faster than `F.linear` (there: the head 3.7 ms against 10.0), and keeps `F.linear` elsewhere; the engine
+  pads a pass to the cheapest measured chunk length (`costs.py`). The products agree with `F.linear` to float32
+  rounding, not bitwise, as a chunked forward already does with a one-position one; greedy output stays the
+  model's (the bench checks every output).
 
 So the stack keeps packed copies of the linear weights it runs (the decoder layers' and the LM head's: as much
 memory again as those weights per packed row count) and, for the length of one of its own calls, points those
@@ -28,6 +29,7 @@ weight shape is checked against `F.linear` once before it is used.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -102,7 +104,7 @@ FLOAT32_ONEDNN = PackedKernel(
     bitwise=False,
     pack=lambda weight, rows: torch.ops.mkldnn._reorder_linear_weight(weight, rows),
     product=_onednn_product,
-    min_rows=2,  # a plain step keeps F.linear: its output stays the model's own, bitwise
+    min_rows=2,  # one row too where that is measured faster than F.linear (`float32_kernel`)
 )
 FLOAT32_KERNELS = (FLOAT32, FLOAT32_ONEDNN)
 PROBE_SHAPE, PROBE_COPIES, PROBE_ROWS = (4096, 1024), 4, 8  # 64 MiB of weights: streamed from memory, as in a pass
@@ -145,25 +147,37 @@ _FLOAT32_CHOICE: list[PackedKernel | None] = []  # this process's measured choic
 def float32_kernel() -> PackedKernel | None:
     """The faster float32 kernel on this CPU, measured once per process at a pass's row count on weights streamed
     from memory: MKL's packed GEMM or oneDNN's reordered weights (their speed depends on the processor: on a 2-core
-    AMD EPYC host oneDNN ran the 49,152 x 576 LM head at 8 rows in 3.9 ms against MKL's 14.6 and F.linear's 21.2)."""
+    AMD EPYC host oneDNN ran the 49,152 x 576 LM head at 8 rows in 3.9 ms against MKL's 14.6 and F.linear's 21.2).
+    A kernel whose one copy serves every row count also serves a plain step's single row where it is measured faster
+    there than `F.linear` (on that host the head took 3.7 ms against 10.0): its products then agree with the model's
+    own to float32 rounding, as a verify pass's already do."""
     if not _FLOAT32_CHOICE:
         usable = [k for k in FLOAT32_KERNELS if _available(k)]
-        _FLOAT32_CHOICE.append(min(usable, key=_probe_ms) if len(usable) > 1 else next(iter(usable), None))
-        if _FLOAT32_CHOICE[0] is not None:
-            logger.info("early-exit-router: float32 products from %s packed weights", _FLOAT32_CHOICE[0].name)
+        chosen = min(usable, key=_probe_ms) if len(usable) > 1 else next(iter(usable), None)
+        if chosen is not None and chosen.any_rows and chosen.min_rows > 1 and _probe_ms(chosen, 1) < _probe_ms(None, 1):
+            chosen = dataclasses.replace(chosen, min_rows=1)
+        _FLOAT32_CHOICE.append(chosen)
+        if chosen is not None:
+            logger.info(
+                "early-exit-router: float32 products from %s packed weights from %d row(s)",
+                chosen.name,
+                chosen.min_rows,
+            )
     return _FLOAT32_CHOICE[0]
 
 
-def _probe_ms(kernel: PackedKernel) -> float:
-    """Median ms of one product over PROBE_ROWS rows with `kernel`, cycling through weights too large to stay cached."""
+def _probe_ms(kernel: PackedKernel | None, rows: int = PROBE_ROWS) -> float:
+    """Median ms of one product over `rows` rows with `kernel` (None: `F.linear`), cycling through weights too large
+    to stay cached."""
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(*PROBE_SHAPE, generator=generator) for _ in range(PROBE_COPIES)]
-    packs = [kernel.pack(w, PROBE_ROWS) for w in weights]
-    x = torch.randn(PROBE_ROWS, PROBE_SHAPE[1], generator=generator)
+    packs = weights if kernel is None else [kernel.pack(w, PROBE_ROWS) for w in weights]
+    x = torch.randn(rows, PROBE_SHAPE[1], generator=generator)
     times = []
     for k in range(3 * PROBE_COPIES):
+        weight, pack = weights[k % PROBE_COPIES], packs[k % PROBE_COPIES]
         start = time.perf_counter()
-        kernel.product(x, packs[k % PROBE_COPIES], weights[k % PROBE_COPIES], None, PROBE_ROWS)
+        F.linear(x, weight) if kernel is None else kernel.product(x, pack, weight, None, PROBE_ROWS)
         times.append(time.perf_counter() - start)
     return statistics.median(times[PROBE_COPIES:]) * 1000  # the first round warms the kernel up
 

@@ -101,8 +101,9 @@ class DraftPolicy:
         self.check_share = check_share  # exit mode: the share of exited tokens the fill checks (one head row each)
         self.tree_nodes = tree_nodes  # most nodes a token tree may verify in one pass
         self.plain_rate = 1.0 / costs.plain_step()
-        # Exit mode consults this on every token at every exit; the table is fixed, so it is worked out once.
+        # Consulted on every token (exit mode) or every plan (verify); the table is fixed, so they are worked out once.
         self._break_even = [self.break_even_exit_rate(i) for i in range(len(self.exit_layers))]
+        self._exit_cycles: dict[tuple[int, int], float] = {}  # (exit, drafts) -> ms, filled as plans ask
 
     @classmethod
     def for_config(cls, costs: CostModel, config: Any, heads: Any) -> DraftPolicy:
@@ -144,6 +145,13 @@ class DraftPolicy:
         return self.costs.pass_ms(1, d + 1)
 
     def exit_cycle_ms(self, i: int, d: int) -> float:
+        """One cycle of `d` drafts from exit `i`: the drafts' shallow layers and heads, then the deep pass."""
+        key = (i, d)
+        if key not in self._exit_cycles:
+            self._exit_cycles[key] = self._exit_cycle_ms(i, d)
+        return self._exit_cycles[key]
+
+    def _exit_cycle_ms(self, i: int, d: int) -> float:
         c, e = self.costs, self.exit_layers[i]
         shallow = c.layers(e + 1, 1)
         per_draft = shallow + c.draft_head_ms + (c.gate_ms if self.uses_gate[i] else 0.0)
