@@ -15,8 +15,8 @@ once, ahead, runs faster. Measured on a 2-core x86_64 CPU (SmolLM2-135M's shapes
   against MKL's 14.6 and `F.linear`'s 21.2). A plain step's single row runs from oneDNN's copy too where that is
   measured faster than `F.linear` (there: the head 3.7 ms against 10.0), and keeps `F.linear` elsewhere; the engine
   pads a pass to the cheapest measured chunk length (`costs.py`). The products agree with `F.linear` to float32
-  rounding, not bitwise, as a chunked forward already does with a one-position one; greedy output stays the
-  model's (the bench checks every output).
+  rounding, not bitwise, as a chunked forward already does with a one-position one (every bench output stayed
+  identical to greedy).
 
 So the stack keeps packed copies of the linear weights it runs (the decoder layers' and the LM head's: as much
 memory again as those weights per packed row count) and, for the length of one of its own calls, points those
