@@ -45,6 +45,7 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
     if reference:
         columns.insert(columns.index("agreement") + 1, f"{reference} agr.")
     num_layers = meta["num_layers"]
+    packed = bool(meta.get("packed_weights"))  # plain steps from prepacked weights: the loop alone is faster than HF
     for category in dict.fromkeys(row["category"] for row in summary):
         rows = [row for row in summary if row["category"] == category]
         lines += ["", f"### {category}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -71,10 +72,9 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
                 format_value(row["peak_memory_mb"], ".0f"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
-        lines += _noise_band(rows, bool(meta.get("packed_weights")))
+        lines += _noise_band(rows, packed)
         ceiling = (meta.get("copy_ceiling") or {}).get(category)
         if ceiling is not None:
-            packed = bool(meta.get("packed_weights"))
             lines += ["", _ceiling_line(ceiling, _engine_control(rows) if packed else None)]
     if meta.get("cost_model"):
         from early_exit_router.routing.costs import CostModel

@@ -98,7 +98,7 @@ FLOAT32 = PackedKernel(
 FLOAT32_ONEDNN = PackedKernel(
     name="onednn",
     dtype=torch.float32,
-    layer_rows=(8,),  # one reordered copy serves every row count from 2 up
+    layer_rows=(8,),  # one reordered copy serves every row count from min_rows up
     head_rows=(8,),
     any_rows=True,
     bitwise=False,
@@ -153,9 +153,13 @@ def float32_kernel() -> PackedKernel | None:
     own to float32 rounding, as a verify pass's already do."""
     if not _FLOAT32_CHOICE:
         usable = [k for k in FLOAT32_KERNELS if _available(k)]
-        chosen = min(usable, key=_probe_ms) if len(usable) > 1 else next(iter(usable), None)
-        if chosen is not None and chosen.any_rows and chosen.min_rows > 1 and _probe_ms(chosen, 1) < _probe_ms(None, 1):
-            chosen = dataclasses.replace(chosen, min_rows=1)
+        weights = _probe_weights() if usable else []  # one set for every probe: generating it costs as much as one
+        chosen = (
+            min(usable, key=lambda k: _probe_ms(k, weights=weights)) if len(usable) > 1 else next(iter(usable), None)
+        )
+        if chosen is not None and chosen.any_rows and chosen.min_rows > 1:
+            if _probe_ms(chosen, 1, weights) < _probe_ms(None, 1, weights):
+                chosen = dataclasses.replace(chosen, min_rows=1)
         _FLOAT32_CHOICE.append(chosen)
         if chosen is not None:
             logger.info(
@@ -166,13 +170,18 @@ def float32_kernel() -> PackedKernel | None:
     return _FLOAT32_CHOICE[0]
 
 
-def _probe_ms(kernel: PackedKernel | None, rows: int = PROBE_ROWS) -> float:
-    """Median ms of one product over `rows` rows with `kernel` (None: `F.linear`), cycling through weights too large
-    to stay cached."""
+def _probe_weights() -> list[torch.Tensor]:
+    """PROBE_COPIES weights of PROBE_SHAPE: together too large to stay cached, as a model's are in a pass."""
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(*PROBE_SHAPE, generator=generator) for _ in range(PROBE_COPIES)]
+    return [torch.randn(*PROBE_SHAPE, generator=generator) for _ in range(PROBE_COPIES)]
+
+
+def _probe_ms(kernel: PackedKernel | None, rows: int = PROBE_ROWS, weights: list[torch.Tensor] | None = None) -> float:
+    """Median ms of one product over `rows` rows with `kernel` (None: `F.linear`), cycling through `weights`
+    (`_probe_weights` where not given)."""
+    weights = weights or _probe_weights()
     packs = weights if kernel is None else [kernel.pack(w, PROBE_ROWS) for w in weights]
-    x = torch.randn(rows, PROBE_SHAPE[1], generator=generator)
+    x = torch.randn(rows, PROBE_SHAPE[1], generator=torch.Generator().manual_seed(1))
     times = []
     for k in range(3 * PROBE_COPIES):
         weight, pack = weights[k % PROBE_COPIES], packs[k % PROBE_COPIES]
@@ -217,8 +226,8 @@ class PackedLinears:
         return len(self._entries)
 
     def serves(self, rows: int) -> bool:
-        """Whether some packed copy serves a product over `rows` rows (a plain step's single row, in float32, is
-        left to the modules' own forward without the swap)."""
+        """Whether some packed copy serves a product over `rows` rows (else the modules' own forward runs without the
+        swap: in float32 a plain step's single row, unless `float32_kernel` measured its kernel faster there)."""
         return (self._any_from is not None and rows >= self._any_from) or rows in self._rows
 
     def _count_rows(self) -> None:
