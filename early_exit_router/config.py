@@ -232,8 +232,9 @@ class DraftingOptions:
         default=8,
         metadata={
             "help": "Cost policy: every this-many plain steps, score each exit's draft head on the hidden states "
-            "the step computed anyway, so acceptance estimates stay current for tiers not in use (exit mode: ask "
-            "an exit that does not pay every this-many tokens). 0 never probes."
+            "the step computed anyway, so acceptance estimates stay current for tiers not in use; an exit whose "
+            "estimate stays below where drafting from it pays is scored at doubling gaps, up to 8 times this "
+            "(exit mode: ask an exit that does not pay every this-many tokens). 0 never probes."
         },
     )
     acceptance_prior: float = field(

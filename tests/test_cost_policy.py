@@ -15,7 +15,13 @@ from early_exit_router.decode.stopping import DecodeRequest
 from early_exit_router.routing import costs
 from early_exit_router.routing.costs import CostModel, cost_model_for
 from early_exit_router.routing.ngram import NO_PROPOSAL, Proposal, SuffixStore
-from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, expected_tokens
+from early_exit_router.routing.policy import (
+    MAX_PROBE_BACKOFF,
+    AcceptanceTracker,
+    DraftPolicy,
+    ProbeSchedule,
+    expected_tokens,
+)
 
 from .conftest import VOCAB, assert_cache_matches_full_forward, prompt, tiny_costs, tiny_llama
 
@@ -196,13 +202,40 @@ def test_plain_fallback_is_token_identical_and_runs_no_head_and_no_gate():
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
 
 
-def test_probes_score_the_exits_at_a_bounded_rate():
+def test_probes_score_the_exits_at_a_bounded_rate_and_back_off_from_exits_that_cannot_pay():
     model = tiny_llama(0)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], probe_interval=4, acceptance_prior=0.2)
     router.cost_model = TINY["steep"]
+    policy = DraftPolicy.for_config(router.cost_model, router.config, router.heads)
+    assert all(0.2 < policy.draft_break_even(i) for i in range(2))  # the prior is below where drafting pays
     out, calls = generate_counting(router, prompt(0), 21, "verify")
-    assert out.stats.probes == 5  # plain steps 0, 4, 8, 12, 16 of 20
-    assert calls["adapters"] == 2 * 5  # both exits' draft heads, on probe steps only
+    assert out.stats.probes == 2  # plain steps 0 and 8 of 20: gaps of 8, then 16, while the estimates stay low
+    assert calls["adapters"] == 2 * 2  # both exits' draft heads, on probe steps only
+    ref = model.generate(prompt(0), max_new_tokens=21, do_sample=False)
+    assert torch.equal(out.sequences, ref)
+
+
+def test_the_probe_schedule_doubles_an_unpaying_exits_gap_up_to_a_bound_and_restores_it_once_it_pays():
+    schedule, seen = ProbeSchedule(4), []
+    for step in range(200):
+        for i in schedule.due(step, 2):
+            seen.append((i, step))
+            schedule.probed(i, step, pays=i == 0 or step >= 100)
+    exit_1 = [step for i, step in seen if i == 1]
+    assert [step for i, step in seen if i == 0] == list(range(0, 200, 4))  # it pays: every interval
+    assert exit_1[:6] == [0, 8, 24, 56, 88, 120] and 32 == 4 * MAX_PROBE_BACKOFF  # doubling, then capped at 32
+    assert exit_1[6:9] == [124, 128, 132]  # it pays again: back to every interval
+    assert ProbeSchedule(0).due(0, 2) == set()  # probe_interval 0: never
+
+
+def test_an_exits_break_even_acceptance_is_where_its_best_draft_starts_beating_plain_decoding():
+    policy = DraftPolicy(TINY["quirky"], [1, 3], [False, False])
+    threshold = policy.plain_rate * (1 + policy.margin)
+    for i in range(2):
+        a = policy.draft_break_even(i)
+        rate = [policy.best_draft(x, lambda d, i=i: policy.exit_cycle_ms(i, d), 8)[1] for x in (a - 1e-3, a)]
+        assert 0 < a <= 1 and rate[0] <= threshold < rate[1]
+    assert DraftPolicy(TINY["steep"], [1, 3], [False, False]).draft_break_even(1) == float("inf")  # never pays
 
 
 @pytest.mark.parametrize("trial", range(6))

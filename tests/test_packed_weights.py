@@ -6,6 +6,7 @@ to gain (the tests lower that bound to pack a tiny model's)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -100,9 +101,9 @@ FLOAT32_VARIANTS = {
 
 
 @pytest.fixture(params=list(FLOAT32_VARIANTS))
-def fp32_packed(monkeypatch, request):
-    """A float32 router whose tiny weights are packed (the size bound lowered) with each float32 kernel in turn, and a
-    count of packed products (the row count each was packed for)."""
+def fp32_kernel(monkeypatch, request):
+    """Each float32 kernel in turn, packing even tiny weights (the size bound lowered), and a list that counts its
+    packed products (the row count each was packed for)."""
     kernel = FLOAT32_VARIANTS[request.param]
     if not packed_module._available(kernel):
         pytest.skip(f"this torch build has no {kernel.name} packed product")
@@ -114,9 +115,15 @@ def fp32_packed(monkeypatch, request):
         return kernel.product(x, packed, weight, bias, rows)
 
     monkeypatch.setattr(packed_module, "float32_kernel", lambda: dataclasses.replace(kernel, product=counted))
+    return calls
+
+
+@pytest.fixture
+def fp32_packed(fp32_kernel):
+    """A float32 router whose tiny weights are packed with each float32 kernel in turn, and the count of products."""
     router = EarlyExitRouter.from_model(tiny_llama(0), tiny_tokenizer(), exit_layers=[1, 3])
-    calls.clear()  # the shape checks' own products
-    return router, calls
+    fp32_kernel.clear()  # the shape checks' own products
+    return router, fp32_kernel
 
 
 def test_float32_packs_serve_their_row_counts_to_float_rounding_and_others_take_the_modules_product(fp32_packed):
@@ -188,3 +195,34 @@ def test_float32_packed_verify_passes_keep_greedy_output_and_the_cache_exact(fp3
     assert 8 in calls  # passes of 8 positions ran from the packed weights
     assert torch.equal(out.sequences, want)
     assert_cache_matches_full_forward(router.model, out.sequences, out.cache, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["block", "residual_block"])
+def test_a_block_adapters_layer_runs_from_packed_copies_of_its_own_weights(fp32_kernel, kind):
+    model, ids = tiny_llama(0), torch.tensor([[3, 17, 5, 9, 40, 41, 42, 3, 17, 5, 9, 40]])
+    with torch.no_grad():
+        greedy = model.generate(ids, max_new_tokens=20, do_sample=False)
+    router = EarlyExitRouter.from_model(model, tiny_tokenizer(), exit_layers=[1, 3], adapter=kind)
+    adapter, stack = router.heads.adapter(1), router.stack
+    if adapter.mix is not None:
+        with torch.no_grad():
+            adapter.mix.add_(0.5)  # the scaling hooks must act on the packed products too
+    states = torch.randn(1, 8, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fp32_kernel.clear()
+        got = adapter(states, stack)
+        assert fp32_kernel  # the block's own linears, packed at its first run
+        stack.use_packed_weights(False)
+        want = adapter(states, stack)
+        stack.use_packed_weights(True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert not any("forward" in m.__dict__ for m in router.heads.modules())
+    out = router.generate(ids, 20, mode="verify", config={"max_pending": 7, "policy": "fixed"})
+    assert torch.equal(out.sequences, greedy)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache, atol=1e-5)
+    blocks = {id(router.heads.adapter(e).block) for e in (1, 3)}
+    assert {id(layer) for layer in stack._module_packs} == blocks  # one copy per block run, none once it is gone
+    router.heads.adapters["1"] = router.heads.adapters["3"] = nn.Identity()
+    del adapter
+    gc.collect()
+    assert len(stack._module_packs) == 0

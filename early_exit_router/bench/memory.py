@@ -112,8 +112,14 @@ def memory_budget(router: Any, context: int) -> MemoryBudget:
     element = torch.finfo(stack.dtype).bits // 8
     rows = config.max_pending + 1
     workspace = rows * stack.vocab_size * 4 + rows * stack.hidden_size * element * (len(router.exit_layers) + 1)
-    packed = stack.packed_weights
-    return MemoryBudget(context, base, heads, draft_bytes, kv, workspace, packed.nbytes if packed else 0)
+    return MemoryBudget(context, base, heads, draft_bytes, kv, workspace, packed_bytes(router))
+
+
+def packed_bytes(router: Any) -> int:
+    """Prepacked copies: of the model's weights and of each block adapter's layer (packed now if not yet run)."""
+    stack = router.stack
+    blocks = [stack.packed_module(router.heads.adapter(e).block) for e in router.heads.context_exits()]
+    return sum(packed.nbytes for packed in [stack.packed_weights, *blocks] if packed is not None)
 
 
 @torch.no_grad()
@@ -132,6 +138,5 @@ def measured_bytes(router: Any, context: int) -> int:
         return int(torch.cuda.max_memory_allocated(stack.device))
     draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
     weights = list(router.model.parameters()) + list(router.model.buffers()) + list(router.heads.parameters())
-    packed = stack.packed_weights  # opaque tensors: counted as their weights' size, which is what they hold
     held = tensor_bytes(weights + ([] if draft is None else [draft.weight, draft.bias])) + cache_bytes(out.cache)
-    return held + (packed.nbytes if packed else 0)
+    return held + packed_bytes(router)  # opaque tensors: counted as their weights' size, which is what they hold

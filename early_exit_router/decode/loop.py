@@ -55,7 +55,7 @@ from early_exit_router.models.architecture import LayerStack
 from early_exit_router.routing.costs import CostModel
 from early_exit_router.routing.exit_rule import FULL_DEPTH, ExitRule
 from early_exit_router.routing.ngram import SuffixStore
-from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Plan
+from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Plan, ProbeSchedule
 
 BATCH_DESIGNS = ("synchronous", "per_row")
 
@@ -100,6 +100,7 @@ class Decoder(DecodeState):
         self.exit_drafter = ExitDrafter(stack, heads, config, self.exits)
         prior = {} if config.exit_acceptance_prior is None else {"exit": config.exit_acceptance_prior}
         self.tracker = AcceptanceTracker(prior=config.acceptance_prior, kind_priors=prior)
+        self.probes = ProbeSchedule(config.probe_interval)
         self.monitor = AgreementMonitor(config.monitor_window, config.monitor_min_agreement)
         self.passes = PassCounters()
         self.reset()
@@ -281,12 +282,10 @@ class Decoder(DecodeState):
         if plan.kind == "ngram" and self.cycle_drafts == 0:
             self.cycle_drafts = append_ngram(self, list(plan.proposals))
             return
-        interval = self.config.probe_interval
-        probe = (
-            plan.kind == "plain" and interval > 0 and self.passes.plain_steps % interval == 0 and self._exits_draft()
-        )
+        step = self.passes.plain_steps
+        due = self.probes.due(step, len(self.exits)) if plan.kind == "plain" and self._exits_draft() else set()
         drafting = plan.kind == "exit" and self.cycle_drafts < plan.max_draft
-        stops = set(range(len(self.exits))) if probe else ({plan.tier} if drafting else set())
+        stops = due or ({plan.tier} if drafting else set())
         shadows: list[tuple[int, torch.Tensor]] = []
         for at in self.fill.walk(embed(self, q), q, q + 1, self.slots, stops):
             if at.exit == len(self.exits):
@@ -304,6 +303,8 @@ class Decoder(DecodeState):
         deep_pass(self, at.hidden, at.chunk_start, has_current=True)
         if shadows:
             probe_exits(self, shadows)
+            for i in due:  # without the cost policy nothing backs off
+                self.probes.probed(i, step, self.policy is None or self.policy.draft_pays(i, self.tracker))
 
     def _choose_plan(self) -> Plan:
         """This cycle's plan, from each row's n-gram proposal and the policy (without one: every proposal in full)."""

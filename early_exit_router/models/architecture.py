@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import operator
+import weakref
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
@@ -132,8 +133,10 @@ class LayerStack:
         self._softcap = (
             getattr(self.config, spec.final_logit_softcapping_attr, None) if spec.final_logit_softcapping_attr else None
         )
-        self._layer_linears = [[m for m in layer.modules() if isinstance(m, nn.Linear)] for layer in self.layers]
+        self._layer_linears = [_linears(layer) for layer in self.layers]
         self._packed: PackedLinears | None = None  # see `use_packed_weights`
+        # Packed copies of layers the stack runs but does not own (a block adapter's), dropped with the layer.
+        self._module_packs: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
         self._packing: tuple[bool, torch.device, torch.dtype] = (False, self.device, self.dtype)
         self._native_gqa: bool | None = None  # see `_attention`
 
@@ -143,6 +146,7 @@ class LayerStack:
         packed row count; a model later moved or cast is packed again for its new place. Returns why they are not
         used (None: they are)."""
         self._packed = None
+        self._module_packs.clear()
         self._packing = (enabled, self.device, self.dtype)
         reason = "switched off" if not enabled else packing_supported(self.device, self.dtype)
         if reason is None:
@@ -288,8 +292,23 @@ class LayerStack:
         at layer 0 of `cache`, or None for no cache) over a chunk, with this model's mask and positions of `kind`."""
         mask = _compat.build_mask(kind, self.config, hidden, cache, positions, 0, attention_mask)
         rotary = self._position_embeddings(hidden, positions, kind)
-        with self._attention(hidden.shape[1]):
+        with self._attention(hidden.shape[1]), self._module_products(layer, hidden.shape[0] * hidden.shape[1]):
             return self._call_layer(layer, hidden, mask, positions, rotary, cache)
+
+    def packed_module(self, layer: nn.Module) -> PackedLinears | None:
+        """Packed copies of a layer the stack runs but does not own (a block adapter's), packed at the first ask and
+        dropped with the layer; None where the model's products are not packed."""
+        if self.packed_weights is None:
+            return None
+        packed = self._module_packs.get(layer)
+        if packed is None:
+            packed = self._module_packs[layer] = PackedLinears(_linears(layer))
+        return packed
+
+    def _module_products(self, layer: nn.Module, rows: int) -> AbstractContextManager[None]:
+        """`_products` for a layer the stack does not own. Not while it trains: its weights change at every step."""
+        packed = None if torch.is_grad_enabled() else self.packed_module(layer)
+        return packed.active(_linears(layer)) if packed is not None and packed.serves(rows) else nullcontext()
 
     def _attention(self, positions: int) -> AbstractContextManager[None]:
         """The scope in which the layers attend to `positions` new positions: grouped heads without copying the
@@ -359,6 +378,11 @@ class LayerStack:
     def weight_formats(self) -> set[str]:
         """The storage types of the model's weights: "dense", or a quantized tensor type's name."""
         return {type(p).__name__ if is_quantized(p) else "dense" for p in self.model.parameters()}
+
+
+def _linears(module: nn.Module) -> list[nn.Module]:
+    """Every `nn.Linear` inside `module` (the products packed weights can serve)."""
+    return [m for m in module.modules() if isinstance(m, nn.Linear)]
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:

@@ -22,7 +22,9 @@ near-tie decodes plainly. Acceptance is estimated online per tier (and per `Prop
 from the deep pass's verdict on every draft, and from "shadow" checks: on plain steps the n-gram proposal that was not
 used is checked against the token the full model chose, and every `probe_interval` plain steps each exit's draft head
 is scored on the hidden state the step computed anyway, so a tier that was switched off is noticed when the text
-becomes predictable again.
+becomes predictable again. An exit whose estimate stays below its break-even acceptance (`draft_break_even`) is
+probed at doubling gaps, up to `MAX_PROBE_BACKOFF` intervals apart (`ProbeSchedule`): where exits cannot pay, as on a
+CPU whose plain steps are cheap, their probes cost little.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from early_exit_router.routing.token_tree import TokenTree
 # the first is refused; exit mode: ("ask", exit index)
 TierKey = tuple[str, int]
 MARGIN = 0.03  # drafting must beat plain decoding by this share, so that a near-tie decodes plainly
+MAX_PROBE_BACKOFF = 8  # an exit that cannot pay is still probed at least every this-many probe intervals
 
 
 def expected_tokens(a: float, d: int) -> float:
@@ -63,6 +66,26 @@ class AcceptanceTracker:
     def observe(self, key: TierKey, accepted: bool) -> None:
         a = self.estimate(key)
         self.estimates[key] = a + self.rate * (float(accepted) - a)
+
+
+@dataclass
+class ProbeSchedule:
+    """Which exits a plain step scores (shadow probes). Each exit is probed every `interval` plain steps while its
+    acceptance estimate pays, and at doubling gaps, up to `MAX_PROBE_BACKOFF` intervals, while it does not: a probe
+    walks to the exit and runs its draft head (and a block adapter's layer) on a step that drafts nothing."""
+
+    interval: int
+    gaps: dict[int, int] = field(default_factory=dict)  # exit index -> plain steps from its last probe to its next
+    next_due: dict[int, int] = field(default_factory=dict)  # exit index -> the plain step it is next probed at
+
+    def due(self, step: int, exits: int) -> set[int]:
+        """The exits (of `exits`) to probe at plain step `step` (none where `interval` is 0)."""
+        return {i for i in range(exits) if self.interval > 0 and step >= self.next_due.get(i, 0)}
+
+    def probed(self, i: int, step: int, pays: bool) -> None:
+        """Exit `i` was probed at plain step `step`; `pays`: its estimate now reaches its break-even acceptance."""
+        gap = self.interval if pays else min(2 * self.gaps.get(i, self.interval), MAX_PROBE_BACKOFF * self.interval)
+        self.gaps[i], self.next_due[i] = gap, step + gap
 
 
 @dataclass(frozen=True)
@@ -92,6 +115,7 @@ class DraftPolicy:
         has_block: list[bool] | None = None,
         check_share: float = 1.0,
         tree_nodes: int = 0,
+        max_draft: int = 8,
     ) -> None:
         self.costs = costs
         self.exit_layers = list(exit_layers)
@@ -104,6 +128,7 @@ class DraftPolicy:
         # Consulted on every token (exit mode) or every plan (verify); the table is fixed, so they are worked out once.
         self._break_even = [self.break_even_exit_rate(i) for i in range(len(self.exit_layers))]
         self._exit_cycles: dict[tuple[int, int], float] = {}  # (exit, drafts) -> ms, filled as plans ask
+        self._draft_break_even = [self._acceptance_to_pay(i, max_draft) for i in range(len(self.exit_layers))]
 
     @classmethod
     def for_config(cls, costs: CostModel, config: Any, heads: Any) -> DraftPolicy:
@@ -114,7 +139,15 @@ class DraftPolicy:
         gates = [config.use_gate and heads.gate(e) is not None for e in exits]
         check = config.check_fraction if config.check_agreement else 0.0
         blocks = [needs_context(heads.adapter(e)) for e in exits]
-        return cls(costs, exits, gates, has_block=blocks, check_share=check, tree_nodes=config.ngram_tree_nodes)
+        return cls(
+            costs,
+            exits,
+            gates,
+            has_block=blocks,
+            check_share=check,
+            tree_nodes=config.ngram_tree_nodes,
+            max_draft=config.max_pending,
+        )
 
     def consult_ms(self, i: int) -> float:
         """Asking exit `i` about one token: its draft head and gate, and a block adapter's layer."""
@@ -140,6 +173,30 @@ class DraftPolicy:
     def worth_consulting(self, i: int, exit_rate: float) -> bool:
         """Exit mode: whether asking exit `i` pays, at an estimated `exit_rate` of tokens asked that leave there."""
         return exit_rate >= self._break_even[i]
+
+    def draft_break_even(self, i: int) -> float:
+        """Verify mode: the least per-position acceptance at which drafting from exit `i` beats plain decoding by
+        the margin (inf: never)."""
+        return self._draft_break_even[i]
+
+    def draft_pays(self, i: int, tracker: AcceptanceTracker) -> bool:
+        """Whether exit `i`'s acceptance estimate reaches its break-even."""
+        return tracker.estimate(("exit", i)) >= self._draft_break_even[i]
+
+    def _acceptance_to_pay(self, i: int, max_draft: int) -> float:
+        """`draft_break_even`, by bisection: the best draft's rate grows with the acceptance."""
+        threshold = self.plain_rate * (1.0 + self.margin)
+
+        def pays(a: float) -> bool:
+            return self.best_draft(a, lambda d: self.exit_cycle_ms(i, d), max_draft)[1] > threshold
+
+        if not pays(1.0):
+            return float("inf")
+        low, high = 0.0, 1.0
+        for _ in range(20):
+            mid = (low + high) / 2
+            low, high = (low, mid) if pays(mid) else (mid, high)
+        return high
 
     def ngram_cycle_ms(self, d: int) -> float:
         return self.costs.pass_ms(1, d + 1)
