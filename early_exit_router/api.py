@@ -504,9 +504,11 @@ class EarlyExitRouter:
     def warm_up(self, new_tokens: int = 8) -> None:
         """Pay now what a fresh router's first call would otherwise pay: the cost table (read from disk, or measured
         once per machine) and every kernel's first call (one throw-away verify decode of `new_tokens` tokens over a
-        repeating prompt, so drafts are verified too). Nothing of it stays: the n-gram store and `last_stats` are
-        as they were."""
+        repeating prompt, so drafts are verified too) and packing the block adapters' layers where the model's
+        weights are packed. Nothing else stays: the n-gram store and `last_stats` are as they were."""
         with self.lock:  # the decoder the decode builds reads (or measures) the cost table
+            for e in self.heads.context_exits():  # a short decode need not probe them
+                self.stack.packed_module(self.heads.adapter(e).block)
             store, last = self._ngram_store, self.last_stats
             self._ngram_store = None
             try:

@@ -222,6 +222,9 @@ def test_a_block_adapters_layer_runs_from_packed_copies_of_its_own_weights(fp32_
     assert_cache_matches_full_forward(model, out.sequences, out.cache, atol=1e-5)
     blocks = {id(router.heads.adapter(e).block) for e in (1, 3)}
     assert {id(layer) for layer in stack._module_packs} == blocks  # one copy per block run, none once it is gone
+    stack._module_packs.clear()
+    router.warm_up()  # a fresh router's first call packs nothing
+    assert {id(layer) for layer in stack._module_packs} == blocks
     router.heads.adapters["1"] = router.heads.adapters["3"] = nn.Identity()
     del adapter
     gc.collect()
