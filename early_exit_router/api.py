@@ -507,8 +507,8 @@ class EarlyExitRouter:
         repeating prompt, so drafts are verified too) and packing the block adapters' layers where the model's
         weights are packed. Nothing else stays: the n-gram store and `last_stats` are as they were."""
         with self.lock:  # the decoder the decode builds reads (or measures) the cost table
-            for e in self.heads.context_exits():  # a short decode need not probe them
-                self.stack.packed_module(self.heads.adapter(e).block)
+            for layer in self.heads.block_layers():  # a short decode need not probe them
+                self.stack.packed_module(layer)
             store, last = self._ngram_store, self.last_stats
             self._ngram_store = None
             try:

@@ -118,7 +118,7 @@ def memory_budget(router: Any, context: int) -> MemoryBudget:
 def packed_bytes(router: Any) -> int:
     """Prepacked copies: of the model's weights and of each block adapter's layer (packed now if not yet run)."""
     stack = router.stack
-    blocks = [stack.packed_module(router.heads.adapter(e).block) for e in router.heads.context_exits()]
+    blocks = [stack.packed_module(layer) for layer in router.heads.block_layers()]
     return sum(packed.nbytes for packed in [stack.packed_weights, *blocks] if packed is not None)
 
 

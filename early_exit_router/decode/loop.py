@@ -100,7 +100,7 @@ class Decoder(DecodeState):
         self.exit_drafter = ExitDrafter(stack, heads, config, self.exits)
         prior = {} if config.exit_acceptance_prior is None else {"exit": config.exit_acceptance_prior}
         self.tracker = AcceptanceTracker(prior=config.acceptance_prior, kind_priors=prior)
-        self.probes = ProbeSchedule(config.probe_interval)
+        self.probe_schedule = ProbeSchedule(config.probe_interval)
         self.monitor = AgreementMonitor(config.monitor_window, config.monitor_min_agreement)
         self.passes = PassCounters()
         self.reset()
@@ -283,7 +283,7 @@ class Decoder(DecodeState):
             self.cycle_drafts = append_ngram(self, list(plan.proposals))
             return
         step = self.passes.plain_steps
-        due = self.probes.due(step, len(self.exits)) if plan.kind == "plain" and self._exits_draft() else set()
+        due = self.probe_schedule.due(step, len(self.exits)) if plan.kind == "plain" and self._exits_draft() else set()
         drafting = plan.kind == "exit" and self.cycle_drafts < plan.max_draft
         stops = due or ({plan.tier} if drafting else set())
         shadows: list[tuple[int, torch.Tensor]] = []
@@ -304,7 +304,7 @@ class Decoder(DecodeState):
         if shadows:
             probe_exits(self, shadows)
             for i in due:  # without the cost policy nothing backs off
-                self.probes.probed(i, step, self.policy is None or self.policy.draft_pays(i, self.tracker))
+                self.probe_schedule.probed(i, step, self.policy is None or self.policy.draft_pays(i, self.tracker))
 
     def _choose_plan(self) -> Plan:
         """This cycle's plan, from each row's n-gram proposal and the policy (without one: every proposal in full)."""

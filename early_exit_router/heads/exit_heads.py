@@ -82,6 +82,10 @@ class ExitHeads(nn.Module):
         """Exit layers whose adapter reads the context (block adapters)."""
         return [e for e in self.exit_layers if needs_context(self.adapter(e))]
 
+    def block_layers(self) -> list[nn.Module]:
+        """The decoder layers of the block adapters (those exits' `BlockAdapter.block`), which the stack runs."""
+        return [self.adapter(e).block for e in self.context_exits()]
+
     def gate(self, layer: int) -> nn.Module | None:
         key = str(layer)
         return self.gates[key] if key in self.gates else None
