@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from early_exit_router.config_checks import check_exit_layers, check_integers, check_unit_interval
+
 MODES = ("exit", "verify")
 POLICIES = ("cost", "fixed")
 BATCH_DESIGNS = ("per_row", "synchronous")
@@ -85,7 +87,7 @@ class HeadLayout:
     def _check_layout(self) -> None:
         if self.exit_layers is not None:
             self.exit_layers = [int(e) for e in self.exit_layers]
-            _check_exit_layers(self.exit_layers)
+            check_exit_layers(self.exit_layers)
         if self.adapter not in ADAPTER_KINDS:
             raise ValueError(f"Unknown adapter {self.adapter!r}: use one of {', '.join(ADAPTER_KINDS)}.")
         if self.exit_adapters is not None:
@@ -101,7 +103,7 @@ class HeadLayout:
                     f"exit_adapters names layers {stray} that are not exit layers {self.exit_layers}: give every "
                     "layer it names in exit_layers too."
                 )
-        _check_integers(self, {"adapter_rank": 1, "draft_vocab_size": 0})
+        check_integers(self, {"adapter_rank": 1, "draft_vocab_size": 0})
 
 
 @dataclass
@@ -182,17 +184,17 @@ class CascadeOptions:
         if self.active_exit_layers is not None:
             self.active_exit_layers = [int(e) for e in self.active_exit_layers]
         for name in ("high_conf_threshold", "low_conf_threshold", "gate_threshold", "window_min_confidence"):
-            _check_unit_interval(name, getattr(self, name))
+            check_unit_interval(name, getattr(self, name))
         if self.low_conf_threshold > self.high_conf_threshold:
             raise ValueError(
                 f"low_conf_threshold ({self.low_conf_threshold}) is above high_conf_threshold "
                 f"({self.high_conf_threshold}): set low <= high."
             )
         if self.entropy_normalized:
-            _check_unit_interval("entropy_threshold (normalized)", self.entropy_threshold)
+            check_unit_interval("entropy_threshold (normalized)", self.entropy_threshold)
         elif not (self.entropy_threshold >= 0 and math.isfinite(self.entropy_threshold)):
             raise ValueError(f"entropy_threshold must be a finite number of nats >= 0, got {self.entropy_threshold}.")
-        _check_integers(self, {"block_size": 1, "max_pending": 1, "confidence_window": 0})
+        check_integers(self, {"block_size": 1, "max_pending": 1, "confidence_window": 0})
 
 
 @dataclass
@@ -294,6 +296,14 @@ class DraftingOptions:
             "0 turns the store off."
         },
     )
+    precise_logits: bool = field(
+        default=True,
+        metadata={
+            "help": "With a bf16/fp16 LM head: recompute the full model's 8 leading logits per position in float32 "
+            "(same normed state and weights), so greedy choices and verification rank near-ties as the exact product "
+            "does, not as bf16 rounding leaves them; logits come back as float32. No effect in float32."
+        },
+    )
 
     def __post_init__(self) -> None:
         self._check_drafting()
@@ -302,10 +312,10 @@ class DraftingOptions:
         for name, allowed in (("mode", MODES), ("policy", POLICIES), ("batch_design", BATCH_DESIGNS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Unknown {name} {getattr(self, name)!r}: use one of {', '.join(allowed)}.")
-        _check_unit_interval("acceptance_prior", self.acceptance_prior)
+        check_unit_interval("acceptance_prior", self.acceptance_prior)
         if self.exit_acceptance_prior is not None:
-            _check_unit_interval("exit_acceptance_prior", self.exit_acceptance_prior)
-        _check_integers(self, {"probe_interval": 0, "ngram_size": 2, "ngram_min_size": 1, "ngram_draft": 1,
+            check_unit_interval("exit_acceptance_prior", self.exit_acceptance_prior)
+        check_integers(self, {"probe_interval": 0, "ngram_size": 2, "ngram_min_size": 1, "ngram_draft": 1,
                                "ngram_store_tokens": 0, "ngram_tree_nodes": 0})  # fmt: skip
         if self.ngram_min_size > self.ngram_size:
             raise ValueError(
@@ -369,9 +379,9 @@ class MonitoringOptions:
 
     def _check_monitoring(self) -> None:
         for name in ("monitor_min_agreement", "check_fraction"):
-            _check_unit_interval(name, getattr(self, name))
+            check_unit_interval(name, getattr(self, name))
         if self.target_agreement is not None:
-            _check_unit_interval("target_agreement", self.target_agreement)
+            check_unit_interval("target_agreement", self.target_agreement)
             if not self.check_agreement or self.check_fraction == 0:
                 raise ValueError(
                     "target_agreement needs the exit checks to watch the output's quality: keep check_agreement "
@@ -379,7 +389,7 @@ class MonitoringOptions:
                 )
         if not 0 < self.controller_step <= 1:
             raise ValueError(f"controller_step must be in (0, 1], got {self.controller_step!r}.")
-        _check_integers(self, {"monitor_window": 1, "controller_window": 1})
+        check_integers(self, {"monitor_window": 1, "controller_window": 1})
 
 
 @dataclass
@@ -473,28 +483,6 @@ class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayou
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-
-def _check_unit_interval(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}.")
-
-
-def _check_exit_layers(layers: list[int]) -> None:
-    if any(e < 0 for e in layers):
-        raise ValueError(f"Exit layers must be 0-based non-negative indices, got {layers}.")
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"Exit layers contain duplicates: {layers}. List each layer once.")
-    if layers != sorted(layers):
-        raise ValueError(f"Exit layers must be sorted in increasing order, got {layers}; use {sorted(layers)}.")
-
-
-def _check_integers(config: Any, lowest: dict[str, int]) -> None:
-    """Each named field must be an integer (not a bool) at or above its bound."""
-    for name, low in lowest.items():
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
 
 
 GROUPS = (HeadLayout, CascadeOptions, DraftingOptions, MonitoringOptions)

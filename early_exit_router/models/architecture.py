@@ -26,6 +26,7 @@ from torch import nn
 from early_exit_router.models import _compat
 from early_exit_router.models.attention import check_native_gqa, native_gqa, native_gqa_supported
 from early_exit_router.models.packed import PackedLinears, packing_supported
+from early_exit_router.models.precise_logits import precise_top_logits, refines
 
 POSITION_STYLES = ("rotary_shared", "rotary_per_layer_type", "learned")
 # Inputs a family's decoder layer requires that the stack does not compute, and the config flag under which the layer
@@ -343,12 +344,17 @@ class LayerStack:
             return self.rotary_emb(hidden, positions, kind)
         return self.rotary_emb(hidden, positions)
 
-    def logits(self, hidden: torch.Tensor, pad_to: int = 0) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, pad_to: int = 0, precise: bool = False) -> torch.Tensor:
         """Final norm + LM head (+ soft-capping where configured): (1, q, hidden) -> (1, q, vocab).
 
-        `pad_to > q` computes that many rows (copies of the last) and returns the first q: see `run`."""
+        `pad_to > q` computes that many rows (copies of the last) and returns the first q: see `run`. `precise`, on a
+        bf16/fp16 head, returns float32 logits whose leading entries are the float32 product (`precise_logits.py`)."""
         q = hidden.shape[1]
-        return self.unembed(self.final_norm(_pad_rows(hidden, pad_to)))[:, :q]
+        normed = self.final_norm(_pad_rows(hidden, pad_to))
+        logits = self.unembed(normed)[:, :q]
+        if precise and refines(self.lm_head):
+            logits = precise_top_logits(logits, normed[:, :q], self.lm_head, self.finish_logits)
+        return logits
 
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
         with self._products((self.lm_head,), normed.shape[0] * normed.shape[1]):
