@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.models import _compat
+from early_exit_router.models import _compat, architecture
 from early_exit_router.models.precise_logits import precise_top_logits, refines
 
-from .conftest import NEVER_EXIT, prompt, tiny_llama
+from .conftest import ALWAYS_EXIT, NEVER_EXIT, prompt, tiny_llama
 
 
 def test_near_tied_logits_are_ranked_by_the_float32_product():
@@ -19,12 +19,12 @@ def test_near_tied_logits_are_ranked_by_the_float32_product():
         head.weight.copy_(torch.tensor([[16.0, 0, 0, 0], [16.0, 0.0625, 0, 0], [1.0, 0, 0, 0]]))
         head.bias.copy_(torch.tensor([0.0, 0.0, 0.5]))
     normed = torch.tensor([[1.0, 0.5, 0.0, 0.0]], dtype=torch.bfloat16)  # exact: 16, 16.03125, 1.5
-    logits = head(normed)
-    assert logits[0, 0] == logits[0, 1]  # bf16 rounds both to 16: a tie
-    finish = lambda x: x * 2  # noqa: E731 (a family's logit multiplier)
-    precise = precise_top_logits(finish(logits), normed, head, finish, top_k=2)
+    raw = head(normed)
+    assert raw[0, 0] == raw[0, 1]  # bf16 rounds both to 16: a tie
+    finish = lambda x: x * 2  # noqa: E731 (a family's logit multiplier, applied after the head)
+    precise = precise_top_logits(raw, normed, head, finish, top_k=2)
     assert precise.dtype == torch.float32
-    assert precise[0].tolist() == [32.0, 32.0625, 3.0]  # the two leading ones exact, the third as bf16 gave it
+    assert precise[0].tolist() == [32.0, 32.0625, 3.0]  # the two leading ones exact, then all finished
     assert int(precise.argmax()) == 1
 
 
@@ -63,6 +63,25 @@ def test_bf16_greedy_follows_the_float32_head_product(mode):
         assert torch.equal(off.sequences, hf)
         changed += not torch.equal(hf, float32_head_greedy(model, ids, n))
     assert changed  # the rounding did decide some token somewhere, so the test tells the two apart
+
+
+def test_verify_passes_decide_from_the_float32_products(monkeypatch):
+    """Exits draft at every token here, so verify passes check several positions at once: those go through the
+    float32 products too, and (float32 logits) what the passes return is what they decide from."""
+    model = tiny_llama(0, dtype=torch.bfloat16, peaky=60.0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **ALWAYS_EXIT)
+    rows, real = [], architecture.precise_top_logits
+
+    def spy(raw, *args, **kwargs):
+        rows.append(raw.shape[-2])
+        return real(raw, *args, **kwargs)
+
+    monkeypatch.setattr(architecture, "precise_top_logits", spy)
+    out = router.generate(prompt(3, length=8), max_new_tokens=24, mode="verify")
+    assert max(rows) > 1 and out.stats.drafts_judged > 0
+    rows.clear()
+    router.generate(prompt(3, length=8), max_new_tokens=24, mode="verify", config={"precise_logits": False})
+    assert not rows
 
 
 def test_float32_logits_are_untouched():

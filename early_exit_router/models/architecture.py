@@ -351,14 +351,17 @@ class LayerStack:
         bf16/fp16 head, returns float32 logits whose leading entries are the float32 product (`precise_logits.py`)."""
         q = hidden.shape[1]
         normed = self.final_norm(_pad_rows(hidden, pad_to))
-        logits = self.unembed(normed)[:, :q]
         if precise and refines(self.lm_head):
-            logits = precise_top_logits(logits, normed[:, :q], self.lm_head, self.finish_logits)
-        return logits
+            return precise_top_logits(self._head(normed)[:, :q], normed[:, :q], self.lm_head, self.finish_logits)
+        return self.unembed(normed)[:, :q]
 
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.finish_logits(self._head(normed))
+
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head's own output, before the family's multiplier or soft-cap."""
         with self._products((self.lm_head,), normed.shape[0] * normed.shape[1]):
-            return self.finish_logits(self.lm_head(normed))
+            return self.lm_head(normed)
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """What the family does to the LM head's output: a logit multiplier (Cohere, Granite) or soft-capping

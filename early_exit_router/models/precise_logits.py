@@ -29,20 +29,21 @@ def refines(lm_head: nn.Module) -> bool:
 
 
 def precise_top_logits(
-    logits: torch.Tensor,
+    raw: torch.Tensor,
     normed: torch.Tensor,
     lm_head: nn.Module,
     finish: Callable[[torch.Tensor], torch.Tensor],
     top_k: int = TOP_K,
 ) -> torch.Tensor:
-    """`logits` (..., vocab) as float32, with each row's `top_k` leading entries recomputed in float32 from `normed`
-    (..., hidden), the head's input, and `finish` (what the family does to the head's output) applied to them."""
-    out = logits.float()
-    k = min(top_k, logits.shape[-1])
-    top = logits.topk(k, dim=-1).indices  # (..., k)
+    """Float32 logits (..., vocab) from the head's output `raw` (..., vocab) and its input `normed` (..., hidden): each
+    row's `top_k` leading entries recomputed in float32, then `finish` (what the family does to the head's output)
+    applied to all. The leading entries are chosen before `finish`, whose soft-cap would make ties of them."""
+    out = raw.float()
+    k = min(top_k, raw.shape[-1])
+    top = raw.topk(k, dim=-1).indices  # (..., k)
     weight = lm_head.weight[top].float()  # (..., k, hidden)
     exact = torch.einsum("...d,...kd->...k", normed.float(), weight)  # (..., k)
     bias = getattr(lm_head, "bias", None)
     if bias is not None:
         exact = exact + bias[top].float()
-    return out.scatter_(-1, top, finish(exact))
+    return finish(out.scatter_(-1, top, exact))
