@@ -92,3 +92,13 @@ def test_float32_logits_are_untouched():
     out = router.generate(ids, max_new_tokens=8, output_logits=True)
     assert torch.equal(out.sequences, ref.sequences)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out.logits, ref.logits))
+
+
+def test_training_targets_are_the_tokens_decoding_chooses():
+    """`unembed(precise=True)`, which training and the survey take their teacher targets from, ranks by float32."""
+    model = tiny_llama(0, dtype=torch.bfloat16, peaky=60.0)
+    stack = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **NEVER_EXIT).stack
+    normed = torch.randn(256, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    exact = (normed.float() @ model.lm_head.weight.float().T).argmax(-1)
+    assert torch.equal(stack.unembed(normed, precise=True).argmax(-1), exact)
+    assert not torch.equal(stack.unembed(normed).argmax(-1), exact)  # bf16 rounding decides some of these rows

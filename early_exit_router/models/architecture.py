@@ -355,7 +355,11 @@ class LayerStack:
             return precise_top_logits(self._head(normed)[:, :q], normed[:, :q], self.lm_head, self.finish_logits)
         return self.unembed(normed)[:, :q]
 
-    def unembed(self, normed: torch.Tensor) -> torch.Tensor:
+    def unembed(self, normed: torch.Tensor, precise: bool = False) -> torch.Tensor:
+        """LM head (+ the family's multiplier or soft-cap) on final-normed states (..., hidden) -> (..., vocab);
+        `precise`: as in `logits`."""
+        if precise and refines(self.lm_head):
+            return precise_top_logits(self._head(normed), normed, self.lm_head, self.finish_logits)
         return self.finish_logits(self._head(normed))
 
     def _head(self, normed: torch.Tensor) -> torch.Tensor:

@@ -165,11 +165,12 @@ def batch_size_for(cache: HiddenStateCache, target: int = 1024) -> int:
 
 @torch.no_grad()
 def teacher_top1(router: Any, cache: HiddenStateCache, batch: int = 1024) -> torch.Tensor:
-    """(N,) the full model's top-1 token at every cached position."""
-    stack = router.stack
+    """(N,) the full model's top-1 token at every cached position, chosen as decoding chooses it (`precise_logits`)."""
+    stack, precise = router.stack, router.config.precise_logits
+    normed = cache.final_normed
     return torch.cat(
         [
-            stack.unembed(cache.final_normed[s : s + batch].to(stack.device, stack.dtype)).argmax(-1).cpu()
+            stack.unembed(normed[s : s + batch].to(stack.device, stack.dtype), precise).argmax(-1).cpu()
             for s in range(0, len(cache), batch)
         ]
     )

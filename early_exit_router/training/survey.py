@@ -97,7 +97,10 @@ def survey_exits(
     with torch.no_grad():
         final = cache.final_normed.to(stack.device)
         teacher_sub = torch.cat([unembed(final[s : s + 2048]) for s in range(0, n, 2048)])  # (N, K)
-        target = torch.cat([stack.unembed(final[s : s + 2048].to(stack.dtype)).argmax(-1) for s in range(0, n, 2048)])
+        precise = router.config.precise_logits  # the target is the token decoding chooses
+        target = torch.cat(
+            [stack.unembed(final[s : s + 2048].to(stack.dtype), precise).argmax(-1) for s in range(0, n, 2048)]
+        )
     hold_target = target[n_train:].cpu()
     no_next = torch.full((batch_tokens,), -1)
     rows = []
