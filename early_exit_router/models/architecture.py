@@ -351,16 +351,19 @@ class LayerStack:
         bf16/fp16 head, returns float32 logits whose leading entries are the float32 product (`precise_logits.py`)."""
         q = hidden.shape[1]
         normed = self.final_norm(_pad_rows(hidden, pad_to))
-        if precise and refines(self.lm_head):
-            return precise_top_logits(self._head(normed)[:, :q], normed[:, :q], self.lm_head, self.finish_logits)
-        return self.unembed(normed)[:, :q]
+        return self._finish(self._head(normed)[:, :q], normed[:, :q], precise)
 
     def unembed(self, normed: torch.Tensor, precise: bool = False) -> torch.Tensor:
         """LM head (+ the family's multiplier or soft-cap) on final-normed states (..., hidden) -> (..., vocab);
         `precise`: as in `logits`."""
+        return self._finish(self._head(normed), normed, precise)
+
+    def _finish(self, raw: torch.Tensor, normed: torch.Tensor, precise: bool) -> torch.Tensor:
+        """The head's output `raw` for the input `normed` as logits: the family's finish, after the float32 leading
+        entries where `precise` asks for them and the head is bf16/fp16."""
         if precise and refines(self.lm_head):
-            return precise_top_logits(self._head(normed), normed, self.lm_head, self.finish_logits)
-        return self.finish_logits(self._head(normed))
+            return precise_top_logits(raw, normed, self.lm_head, self.finish_logits)
+        return self.finish_logits(raw)
 
     def _head(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head's own output, before the family's multiplier or soft-cap."""
