@@ -281,6 +281,14 @@ class DraftingOptions:
             "the n-gram matches found, verified in one pass (the cost policy picks how many pay). Below 2: chains."
         },
     )
+    exit_branches: int = field(
+        default=1,
+        metadata={
+            "help": "Verify mode, one sequence, greedy: each token an exit drafts brings its head's next this-many "
+            "choices as alternatives, verified in the same pass as leaves of a token tree (up to ngram_tree_nodes "
+            "nodes), where the cost policy finds that they pay. 0: exits draft chains."
+        },
+    )
     ngram_unverified: bool = field(
         default=False,
         metadata={
@@ -316,7 +324,7 @@ class DraftingOptions:
         if self.exit_acceptance_prior is not None:
             check_unit_interval("exit_acceptance_prior", self.exit_acceptance_prior)
         check_integers(self, {"probe_interval": 0, "ngram_size": 2, "ngram_min_size": 1, "ngram_draft": 1,
-                               "ngram_store_tokens": 0, "ngram_tree_nodes": 0})  # fmt: skip
+                               "ngram_store_tokens": 0, "ngram_tree_nodes": 0, "exit_branches": 0})  # fmt: skip
         if self.ngram_min_size > self.ngram_size:
             raise ValueError(
                 f"ngram_min_size ({self.ngram_min_size}) is above ngram_size ({self.ngram_size}): set min <= size."

@@ -68,10 +68,17 @@ def ngram_token(dec: DecodeState, row: Row) -> int:
 
 
 def try_exit(
-    dec: DecodeState, i: int, hidden: torch.Tensor, q: int, target: int | None, key: TierKey | None = None
+    dec: DecodeState,
+    i: int,
+    hidden: torch.Tensor,
+    q: int,
+    target: int | None,
+    key: TierKey | None = None,
+    alternatives: int = 0,
 ) -> bool:
     """Ask exit `i` about slot `q` for every row; when every unfinished row may leave, emit each row's head token and
-    park the chunk in front of the next segment. `target`: a block's decision, taken without asking."""
+    park the chunk in front of the next segment. `target`: a block's decision, taken without asking.
+    `alternatives` (one greedy row): the draft keeps the head's next this-many choices, for an exit tree."""
     last = hidden[:, -1]  # (b, hidden): the current token at this exit
     gate = dec.exit_drafter.gate(i)
     if target is None and gate is not None and not uses_head(gate):
@@ -87,11 +94,17 @@ def try_exit(
     sampling = any(row.selector.params.do_sample for row in dec.rows)
     tokens = None if sampling else choose(dec, q + 1, logits)
     chosen: list[float] = []
+    ranked: list[float] = []
+    alternatives = alternatives if tokens is not None and len(dec.rows) == 1 else 0
     if target is None:
         t0 = time.perf_counter()
         ok, confidence = exit_flags(dec, i, last, logits, with_gate=False)[1:]
         signals = [ok.double(), confidence.double()] + ([] if tokens is None else list(tokens.double()))
+        if alternatives:  # fetched in the same host sync
+            signals += list(logits[0].topk(alternatives + 1).indices.double())
         ok, low, *chosen = torch.stack(signals).tolist()
+        if alternatives:
+            chosen, ranked = chosen[: -(alternatives + 1)], chosen[-(alternatives + 1) :]
         dec.passes.routing_s += time.perf_counter() - t0
         if not ok:
             return False
@@ -110,9 +123,26 @@ def try_exit(
             if verified and row.selector.params.do_sample:
                 scores = row.selector.scores(row_ids(dec, r, q + 1), logits[r : r + 1])
                 law = torch.softmax(scores, dim=-1)[0]
-            row.drafts[q] = Draft(i, key or ("exit", i), law)
+            others = tuple(int(t) for t in ranked if int(t) != ids[r])[:alternatives]
+            row.drafts[q] = Draft(i, key or ("exit", i), law, others)
     append(dec, tokens, ids, dec.exits[i], logits)
     return True
+
+
+def worth_asking(dec: DecodeState, i: int, target: int | None) -> bool:
+    """Whether to ask exit `i` about this token. Under the cost policy only while asking pays
+    (`DraftPolicy.worth_consulting`, at the exit's estimated exit rate); a skipped exit is asked anyway every
+    `probe_interval` tokens, so that its estimate follows the text. A block's target is always asked, and with
+    blocks of several tokens every exit is: one decision there moves a whole block, which the per-token saving
+    does not price."""
+    if dec.policy is None or target is not None or dec.config.block_size > 1:
+        return True
+    if dec.policy.worth_consulting(i, dec.tracker.estimate(("ask", i))):
+        return True
+    unpaid = dec.passes.unpaid_asks
+    unpaid[i] = unpaid.get(i, 0) + 1
+    interval = dec.config.probe_interval
+    return interval > 0 and unpaid[i] % interval == 0
 
 
 def exit_flags(

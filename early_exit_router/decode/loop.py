@@ -33,7 +33,14 @@ from early_exit_router.decode import batch as batching
 from early_exit_router.decode.batch import Slots
 from early_exit_router.decode.deep import deep_pass, flush, head
 from early_exit_router.decode.drafters import ExitDrafter, SuffixDrafter
-from early_exit_router.decode.drafting import append_ngram, probe_exits, propose_ngram, propose_rows, try_exit
+from early_exit_router.decode.drafting import (
+    append_ngram,
+    probe_exits,
+    propose_ngram,
+    propose_rows,
+    try_exit,
+    worth_asking,
+)
 from early_exit_router.decode.emit import append, choose, embed, settle
 from early_exit_router.decode.sampling import TokenSelector
 from early_exit_router.decode.segments import LayerwiseFill
@@ -46,7 +53,7 @@ from early_exit_router.decode.stats import (
     decode_stats,
 )
 from early_exit_router.decode.stopping import DecodeRequest, StreamFrontier
-from early_exit_router.decode.tree import tree_supported, verify_tree
+from early_exit_router.decode.tree import exit_tree_supported, tree_supported, verify_exit_tree, verify_tree
 from early_exit_router.heads.adapters import needs_context
 from early_exit_router.heads.block import BlockContext
 from early_exit_router.heads.exit_heads import ExitHeads
@@ -98,7 +105,8 @@ class Decoder(DecodeState):
         self.policy = DraftPolicy.for_config(costs, config, heads) if policy else None
         self.suffix = SuffixDrafter(config, store if config.ngram_tier else None)
         self.exit_drafter = ExitDrafter(stack, heads, config, self.exits)
-        prior = {} if config.exit_acceptance_prior is None else {"exit": config.exit_acceptance_prior}
+        exit_prior = config.exit_acceptance_prior  # an exit's drafts and their alternatives (exit trees)
+        prior = {} if exit_prior is None else {"exit": exit_prior, "exit branch": exit_prior}
         self.tracker = AcceptanceTracker(prior=config.acceptance_prior, kind_priors=prior)
         self.probe_schedule = ProbeSchedule(config.probe_interval)
         self.monitor = AgreementMonitor(config.monitor_window, config.monitor_min_agreement)
@@ -240,7 +248,7 @@ class Decoder(DecodeState):
         if forced or target == FULL_DEPTH or self.routing.exits_suspended:
             asked = set()
         for at in self.fill.walk(embed(self, q), q, q + 1, self.slots, asked):
-            if at.exit < len(self.exits) and self._asks(at.exit, target):
+            if at.exit < len(self.exits) and worth_asking(self, at.exit, target):
                 exited = try_exit(self, at.exit, at.hidden, q, target)
                 if target is None:  # a block's later tokens follow its first one: nothing was decided here
                     self.tracker.observe(("ask", at.exit), exited)
@@ -250,21 +258,6 @@ class Decoder(DecodeState):
             self.rule.start_block(self.routing, FULL_DEPTH)
         deep_pass(self, at.hidden, at.chunk_start, has_current=True)
 
-    def _asks(self, i: int, target: int | None) -> bool:
-        """Whether to ask exit `i` about this token. Under the cost policy only while asking pays
-        (`DraftPolicy.worth_consulting`, at the exit's estimated exit rate); a skipped exit is asked anyway every
-        `probe_interval` tokens, so that its estimate follows the text. A block's target is always asked, and with
-        blocks of several tokens every exit is: one decision there moves a whole block, which the per-token saving
-        does not price."""
-        if self.policy is None or target is not None or self.config.block_size > 1:
-            return True
-        if self.policy.worth_consulting(i, self.tracker.estimate(("ask", i))):
-            return True
-        unpaid = self.passes.unpaid_asks
-        unpaid[i] = unpaid.get(i, 0) + 1
-        interval = self.config.probe_interval
-        return interval > 0 and unpaid[i] % interval == 0
-
     def _cycle_step(self) -> None:
         """One step of the current draft cycle (`DraftPolicy.plan`): the n-gram tier's drafts, one exit's draft (only
         that exit's head runs, until the plan's length or the first unconfident token), or a plain step (no head, no
@@ -273,7 +266,7 @@ class Decoder(DecodeState):
         q = self.slots.length - 1
         if self.plan is None:
             self.plan = self._choose_plan()
-            name = self.plan.kind if self.plan.kind != "exit" else f"exit L{self.exits[self.plan.tier]}"
+            name = self.plan.label(self.exits)
             self.passes.plan_counts[name] = self.passes.plan_counts.get(name, 0) + 1
         plan = self.plan
         if plan.kind == "tree":  # drafted and verified in this one step
@@ -285,18 +278,22 @@ class Decoder(DecodeState):
         step = self.passes.plain_steps
         due = self.probe_schedule.due(step, len(self.exits)) if plan.kind == "plain" and self._exits_draft() else set()
         drafting = plan.kind == "exit" and self.cycle_drafts < plan.max_draft
-        stops = due or ({plan.tier} if drafting else set())
+        stops = due or ({plan.tier} if drafting or plan.branches else set())
         shadows: list[tuple[int, torch.Tensor]] = []
         for at in self.fill.walk(embed(self, q), q, q + 1, self.slots, stops):
             if at.exit == len(self.exits):
                 break
+            if plan.kind != "exit":
+                shadows.append((at.exit, at.hidden[:, -1]))
+                continue
             if drafting:
-                if try_exit(self, at.exit, at.hidden, q, None, key=plan.key):
+                if try_exit(self, at.exit, at.hidden, q, None, key=plan.key, alternatives=plan.branches):
                     self.cycle_drafts += 1
                     return
                 self.tracker.observe(plan.key, False)  # the chain stopped: this position yielded no draft
-            else:
-                shadows.append((at.exit, at.hidden[:, -1]))
+            if plan.branches and self.cycle_drafts:  # the token that goes deep takes the alternatives with it
+                self.plan, self.cycle_drafts = None, 0
+                return verify_exit_tree(self, plan.tier, at.hidden)
         if plan.kind == "plain":
             self.passes.plain_steps += 1
         self.plan, self.cycle_drafts = None, 0
@@ -312,7 +309,9 @@ class Decoder(DecodeState):
         trees = self.policy is not None and tree_supported(self)
         proposals, tree = propose_rows(self, budgets, trees)
         if self.policy is not None:
-            plan = self.policy.plan(self.tracker, max(budgets), proposals, exits=self._exits_draft(), tree=tree)
+            branching = [i for i in range(len(self.exits)) if trees and exit_tree_supported(self, i)]
+            plan = self.policy.plan(self.tracker, max(budgets), proposals, exits=self._exits_draft(), tree=tree,
+                                    branching=branching)  # fmt: skip
         else:
             longest = max((len(p.tokens) for p in proposals if p is not None), default=0)
             plan = Plan("ngram", longest, proposals=tuple(proposals)) if longest else Plan("plain")

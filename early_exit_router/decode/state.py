@@ -41,6 +41,7 @@ class Draft:
     tier: int  # the exit's index, or the n-gram tier's (after the exits)
     key: TierKey  # the acceptance estimate its verdict updates
     q: torch.Tensor | None = None  # sampling in a verify cycle: (vocab,) the law it was drawn from (None: a copy)
+    alternatives: tuple[int, ...] = ()  # an exit tree's: the exit head's next choices after this draft
 
 
 @dataclass

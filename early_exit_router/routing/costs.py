@@ -166,7 +166,11 @@ class CostModel:
     def tree_pass_ms(self, width: int) -> float:
         """Every layer over one row of `width` positions, unpadded (a tree's mask covers its own positions only),
         and the full head over them."""
-        return self.num_layers * self._at(self.layer_ms, width) + self.head(width)
+        return self.tree_layers(self.num_layers, width) + self.head(width)
+
+    def tree_layers(self, count: int, m: int) -> float:
+        """`count` layers over a tree's m positions (unpadded)."""
+        return count * self._at(self.layer_ms, m)
 
     def plain_step(self) -> float:
         """One token of plain decoding: every layer for one position, one head row."""

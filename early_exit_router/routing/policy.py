@@ -29,7 +29,7 @@ CPU whose plain steps are cheap, their probes cost little.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,8 @@ from early_exit_router.routing.ngram import Proposal
 from early_exit_router.routing.token_tree import TokenTree
 
 # ("exit", exit index), ("ngram", match class); ("branch", match class): a token tree's other continuations, once
-# the first is refused; exit mode: ("ask", exit index)
+# the first is refused; ("exit branch", exit index): an exit's next choices, once its first is refused; exit mode:
+# ("ask", exit index)
 TierKey = tuple[str, int]
 MARGIN = 0.03  # drafting must beat plain decoding by this share, so that a near-tie decodes plainly
 MAX_PROBE_BACKOFF = 8  # an exit that cannot pay is still probed at least every this-many probe intervals
@@ -92,7 +93,7 @@ class ProbeSchedule:
 class Plan:
     """What one draft cycle does: 'plain' (no draft), 'ngram' (each row drafts its `proposals` entry), 'tree' (one
     row verifies the n-gram tier's `tree` of `max_draft` nodes) or 'exit' (exit index `tier`, up to `max_draft`
-    tokens)."""
+    tokens, each with its head's next `branches` choices as alternatives: an exit tree)."""
 
     kind: str
     max_draft: int = 0
@@ -101,6 +102,13 @@ class Plan:
     proposals: tuple[Proposal | None, ...] = ()  # n-gram plans: per row, its drafts and their match (None: no row)
     tree: TokenTree | None = None  # 'tree' plans (one row): the nodes to verify in one pass
     rate: float = 0.0  # expected tokens per ms
+    branches: int = 0  # 'exit' plans: alternatives per drafted token, verified as a tree's leaves (0: a chain)
+
+    def label(self, exit_layers: Sequence[int]) -> str:
+        """The plan's kind as statistics count it (`policy_cycles`): an exit's names its layer."""
+        if self.kind != "exit":
+            return self.kind
+        return f"exit {'tree ' if self.branches else ''}L{exit_layers[self.tier]}"
 
 
 class DraftPolicy:
@@ -116,6 +124,7 @@ class DraftPolicy:
         check_share: float = 1.0,
         tree_nodes: int = 0,
         max_draft: int = 8,
+        exit_branches: int = 0,
     ) -> None:
         self.costs = costs
         self.exit_layers = list(exit_layers)
@@ -124,10 +133,11 @@ class DraftPolicy:
         self.margin = margin
         self.check_share = check_share  # exit mode: the share of exited tokens the fill checks (one head row each)
         self.tree_nodes = tree_nodes  # most nodes a token tree may verify in one pass
+        self.exit_branches = exit_branches  # alternatives per token an exit drafts into a tree
         self.plain_rate = 1.0 / costs.plain_step()
         # Consulted on every token (exit mode) or every plan (verify); the table is fixed, so they are worked out once.
         self._break_even = [self.break_even_exit_rate(i) for i in range(len(self.exit_layers))]
-        self._exit_cycles: dict[tuple[int, int], float] = {}  # (exit, drafts) -> ms, filled as plans ask
+        self._exit_cycles: dict[tuple[int, int, int], float] = {}  # (exit, drafts, leaves) -> ms, filled as asked
         self._draft_break_even = [self._acceptance_to_pay(i, max_draft) for i in range(len(self.exit_layers))]
 
     @classmethod
@@ -147,6 +157,7 @@ class DraftPolicy:
             check_share=check,
             tree_nodes=config.ngram_tree_nodes,
             max_draft=config.max_pending,
+            exit_branches=config.exit_branches,
         )
 
     def consult_ms(self, i: int) -> float:
@@ -201,20 +212,26 @@ class DraftPolicy:
     def ngram_cycle_ms(self, d: int) -> float:
         return self.costs.pass_ms(1, d + 1)
 
-    def exit_cycle_ms(self, i: int, d: int) -> float:
-        """One cycle of `d` drafts from exit `i`: the drafts' shallow layers and heads, then the deep pass."""
-        key = (i, d)
+    def exit_cycle_ms(self, i: int, d: int, leaves: int = 0) -> float:
+        """One cycle of `d` drafts from exit `i`: the drafts' shallow layers and heads, then the deep pass; with
+        `leaves` alternatives (an exit tree), their own run through the shallow layers, and the deep pass over them
+        too (unpadded, as a tree runs)."""
+        key = (i, d, leaves)
         if key not in self._exit_cycles:
-            self._exit_cycles[key] = self._exit_cycle_ms(i, d)
+            self._exit_cycles[key] = self._exit_cycle_ms(i, d, leaves)
         return self._exit_cycles[key]
 
-    def _exit_cycle_ms(self, i: int, d: int) -> float:
+    def _exit_cycle_ms(self, i: int, d: int, leaves: int) -> float:
         c, e = self.costs, self.exit_layers[i]
         shallow = c.layers(e + 1, 1)
         per_draft = shallow + c.draft_head_ms + (c.gate_ms if self.uses_gate[i] else 0.0)
         if self.has_block[i]:  # a block adapter is one more decoder layer per draft
             per_draft += c.layers(1, 1)
-        return d * per_draft + shallow + c.layers(c.num_layers - e - 1, d + 1) + c.head(d + 1)
+        rest = c.num_layers - e - 1
+        if not leaves:
+            return d * per_draft + shallow + c.layers(rest, d + 1) + c.head(d + 1)
+        nodes = d + 1 + leaves
+        return d * per_draft + shallow + c.tree_layers(e + 1, leaves) + c.tree_layers(rest, nodes) + c.head(nodes)
 
     @staticmethod
     def best_length(
@@ -258,6 +275,7 @@ class DraftPolicy:
         proposals: Sequence[Proposal | None],
         exits: bool = True,
         tree: TokenTree | None = None,
+        branching: Collection[int] = (),
     ) -> Plan:
         """The best plan for a cycle whose exits may draft up to `budget` tokens (plain when nothing beats it).
 
@@ -266,7 +284,8 @@ class DraftPolicy:
         b rows and k + 1 slots yields each row its expected accepted drafts plus its own token; the exits draft only
         for a batch of one (`exits`), since on rectangular layers a row that leaves early saves nothing while another
         needs the deep layers. `tree` (a batch of one): the proposal's token tree, drafted instead of the chain where
-        its likeliest nodes pay better (`_tree_plan`)."""
+        its likeliest nodes pay better (`_tree_plan`). `branching`: the exits whose drafts may bring alternatives
+        (`exit_branches` each) into an exit tree, where that pays better than their chain (`_exit_plan`)."""
         rows = max(1, len(proposals))
         active = [p for p in proposals if p is not None] if proposals else [Proposal([], 0)]
         plain_rate = len(active) / self.costs.pass_ms(rows, 1)
@@ -288,8 +307,28 @@ class DraftPolicy:
             ab = estimates[0], tracker.estimate(("branch", tree.match))
             best = self._tree_plan(tree, ab, max(best.rate, threshold)) or best
         for i in range(len(self.exit_layers) if exits and rows == 1 else 0):
-            key: TierKey = ("exit", i)
-            d, rate = self.best_draft(tracker.estimate(key), lambda d, i=i: self.exit_cycle_ms(i, d), budget)
-            if rate > max(best.rate, threshold):
-                best = Plan("exit", d, tier=i, key=key, rate=rate)
+            plan = self._exit_plan(i, tracker, budget, i in branching)
+            if plan.rate > max(best.rate, threshold):
+                best = plan
+        return best
+
+    def _exit_plan(self, i: int, tracker: AcceptanceTracker, budget: int, branching: bool) -> Plan:
+        """Exit `i`'s best cycle: a chain of d drafts, or, where `branching` and it pays better, an exit tree whose
+        every draft brings k alternatives. With per-position acceptance `a` and `b` the chance that one of a
+        draft's alternatives is right once the draft is not, the k x d leaves add b x (1 - a^d) expected tokens
+        (the leaf, with the full model's token after it in place of the one it would have chosen there)."""
+        key: TierKey = ("exit", i)
+        a = tracker.estimate(key)
+        d, rate = self.best_draft(a, lambda d: self.exit_cycle_ms(i, d), budget)
+        best = Plan("exit", d, tier=i, key=key, rate=rate)
+        k = self.exit_branches
+        if branching and k > 0:
+            b = tracker.estimate(("exit branch", i))
+            d, rate = self.best_length(
+                lambda d: expected_tokens(a, d) + b * (1.0 - a**d),
+                lambda d: self.exit_cycle_ms(i, d, k * d),
+                min(budget, self.tree_nodes // (k + 1)),
+            )
+            if rate > best.rate:
+                best = Plan("exit", d, tier=i, key=key, rate=rate, branches=k)
         return best
