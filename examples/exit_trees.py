@@ -10,7 +10,7 @@ dev and held-out open-text prompt (64 new tokens) it reports deep passes, tokens
 had the full model's token among its alternatives, and checks every output against plain greedy. (What the default
 config drafts on this machine, exit trees included, `bench` reports under "cycles by plan".)
 
-    python examples/exit_trees.py   # about 8 minutes on 2 CPU cores
+    python examples/exit_trees.py   # about 6 minutes on 2 CPU cores
 """
 
 from __future__ import annotations

@@ -414,7 +414,7 @@ def test_an_exit_prior_below_break_even_keeps_the_exits_off_until_evidence():
     router.cost_model = tiny_costs()["flat"]
     ids = prompt(0)
     out = router.generate(ids, max_new_tokens=3, mode="verify")
-    assert "exit L1" not in out.stats.policy_cycles and "exit L3" not in out.stats.policy_cycles
+    assert not any(kind.startswith("exit") for kind in out.stats.policy_cycles)  # chains or exit trees
     assert torch.equal(out.sequences, tiny_llama(0).generate(ids, max_new_tokens=3, do_sample=False))
     with pytest.raises(ValueError, match="exit_acceptance_prior"):
         router.call_config({"exit_acceptance_prior": 1.5})
