@@ -37,16 +37,19 @@ def test_the_policy_branches_an_exits_drafts_where_positions_are_cheap():
     tracker = AcceptanceTracker(prior=0.5, kind_priors={"exit": 0.6, "exit branch": 0.5})
     flat = DraftPolicy(FLAT, [1], [False], tree_nodes=16, exit_branches=1)
     plan = flat.plan(tracker, 8, [None], branching=[0])
-    assert plan.kind == "exit" and plan.branches == 1 and 1 <= plan.max_draft <= 8
+    assert plan.kind == "exit" and plan.exit_tree and plan.branches == 1 and 1 <= plan.max_draft <= 8
     # the leaves add b x (1 - a^d) expected tokens to the chain's, for the pass over 2d + 1 positions
     gain = expected_tokens(0.6, plan.max_draft) + 0.5 * (1 - 0.6**plan.max_draft)
     assert plan.rate == pytest.approx(gain / flat.exit_cycle_ms(0, plan.max_draft, plan.max_draft))
-    assert flat.plan(tracker, 8, [None]).branches == 0  # the decode cannot verify exit trees: a chain
+    assert not flat.plan(tracker, 8, [None]).exit_tree  # the decode cannot verify exit trees: a chain
     assert DraftPolicy(FLAT, [1], [False], tree_nodes=16).plan(tracker, 8, [None], branching=[0]).branches == 0
+    assert flat.plan(tracker, 8, [None]).branches == 0  # nor keep alternatives to judge
     sloped = DraftPolicy(SLOPED, [1], [False], tree_nodes=16, exit_branches=1).plan(tracker, 8, [None], branching=[0])
-    assert sloped.branches == 0  # where every position costs 30% of a step, alternatives right half the time do not
+    # where every position costs 30% of a step, alternatives right half the time do not pay: a chain, which keeps
+    # them only to judge them
+    assert not sloped.exit_tree and sloped.branches == 1
     capped = DraftPolicy(FLAT, [1], [False], tree_nodes=4, exit_branches=1).plan(tracker, 8, [None], branching=[0])
-    assert capped.branches == 0 or capped.max_draft * 2 <= 4  # chain and leaves within the tree's nodes
+    assert not capped.exit_tree or capped.max_draft * 2 <= 4  # chain and leaves within the tree's nodes
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -86,6 +89,28 @@ def test_an_accepted_alternative_is_kept_with_the_full_models_token_after_it(mon
         assert_cache_matches_full_forward(model, out.sequences, out.cache)
         router.unpatch()
     assert any(verdicts) and not all(verdicts)
+
+
+def test_chains_judge_their_alternatives_so_the_estimate_follows_the_text(monkeypatch):
+    """Where the policy drafts chains, each refused draft still says whether an alternative was right, and a chain
+    that stops on confidence counts as a miss (no alternative stands there): the alternatives' estimate keeps
+    learning while no tree is drafted, and output stays greedy's."""
+    verdicts = _branch_verdicts(monkeypatch)
+    model = tiny_llama(0)
+    ids = prompt(1, 8)
+    ref = model.generate(ids, max_new_tokens=40, do_sample=False)
+    config = {**EAGER, "high_conf_threshold": 0.3, "exit_branches": 1}
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    router.cost_model = SLOPED  # exit trees never pay here
+    out = router.generate(ids, max_new_tokens=40, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    assert not any(k.startswith("exit tree") for k in out.stats.policy_cycles)
+    assert any(k.startswith("exit L") for k in out.stats.policy_cycles), out.stats.policy_cycles
+    assert verdicts and not all(verdicts)
+    assert len(verdicts) > out.stats.rejected_drafts  # the confidence stops' misses beside the refusals' verdicts
+    verdicts.clear()
+    router.generate(ids, max_new_tokens=40, mode="verify", config={"exit_branches": 0})
+    assert not verdicts  # no alternatives kept: nothing to judge
 
 
 def test_exit_trees_keep_a_stop_left_padding_and_processors_exact():

@@ -113,6 +113,8 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
             pick = argmax[r][:used] if argmax is not None else greedy_row(dec, r, row, logits[r, :used], first)
             a = accept_greedy(pick[:count], drafts)
             ok = [True] * a + ([False] if a < count else [])
+            if a < count:
+                _judge_alternatives(dec, row, first + a, pick[a])
         counts.append(count)
         verdicts.append(ok)
         picks.append(pick)
@@ -158,6 +160,15 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
     dec.cycle = None
     if dec.per_row:
         batching.maybe_compact(dec)
+
+
+def _judge_alternatives(dec: DecodeState, row: Row, slot: int, token: int) -> None:
+    """A refused exit draft that kept its head's next choices (an exit that may draft trees, in a chain's cycle):
+    whether the full model's token was among them. The alternatives' estimate thus follows the text while the policy
+    drafts chains, as the chain's does while it drafts trees."""
+    draft = row.drafts.get(slot)
+    if draft is not None and draft.alternatives:
+        dec.tracker.observe(("exit branch", draft.tier), token in draft.alternatives)
 
 
 def _book(row: Row, logits: torch.Tensor, count: int, accepted: int) -> None:

@@ -278,7 +278,7 @@ class Decoder(DecodeState):
         step = self.passes.plain_steps
         due = self.probe_schedule.due(step, len(self.exits)) if plan.kind == "plain" and self._exits_draft() else set()
         drafting = plan.kind == "exit" and self.cycle_drafts < plan.max_draft
-        stops = due or ({plan.tier} if drafting or plan.branches else set())
+        stops = due or ({plan.tier} if drafting or plan.exit_tree else set())
         shadows: list[tuple[int, torch.Tensor]] = []
         for at in self.fill.walk(embed(self, q), q, q + 1, self.slots, stops):
             if at.exit == len(self.exits):
@@ -291,7 +291,9 @@ class Decoder(DecodeState):
                     self.cycle_drafts += 1
                     return
                 self.tracker.observe(plan.key, False)  # the chain stopped: this position yielded no draft
-            if plan.branches and self.cycle_drafts:  # the token that goes deep takes the alternatives with it
+                if plan.branches:  # and no alternative stands where the chain stopped
+                    self.tracker.observe(("exit branch", plan.tier), False)
+            if plan.exit_tree and self.cycle_drafts:  # the token that goes deep takes the alternatives with it
                 self.plan, self.cycle_drafts = None, 0
                 return verify_exit_tree(self, plan.tier, at.hidden)
         if plan.kind == "plain":

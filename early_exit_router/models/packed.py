@@ -66,13 +66,15 @@ class PackedKernel:
 def _onednn_product(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
 ) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    # The overload itself, not the op packet: a plain step makes some 200 of these calls, and the packet's
+    # dispatch costs each of them a few microseconds.
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
 
 def _mkl_product(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
 ) -> torch.Tensor:
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)  # F.linear's product at any other row count
+    return torch.ops.mkl._mkl_linear.default(x, packed, weight, bias, rows)  # F.linear's product at other row counts
 
 
 BFLOAT16 = PackedKernel(
@@ -273,8 +275,8 @@ class PackedLinears:
                 entry = self._entries.get(id(module))
                 if entry is None or "forward" in module.__dict__:
                     continue
-                weight = module.weight
-                if weight._version != entry.version or weight.data_ptr() != entry.data_ptr:
+                weight = module._parameters.get("weight")  # module.weight, without nn.Module's attribute lookup
+                if weight is None or weight._version != entry.version or weight.data_ptr() != entry.data_ptr:
                     entry = self._repack(module, entry.rows)
                     if entry is None:
                         continue
@@ -327,16 +329,25 @@ def _packed_forward(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     original = type(module).forward
     any_rows = next(iter(packed.items())) if kernel.any_rows else None
+    # Looked up once: this runs for every linear of every step, where attribute lookups on the module and the
+    # kernel cost as much as the checks. `_parameters` is what `module.weight` reads, without nn.Module's lookup.
+    parameters, product, dtype, min_rows, grad_enabled = (
+        module._parameters,
+        kernel.product,
+        kernel.dtype,
+        kernel.min_rows,
+        torch.is_grad_enabled,
+    )
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.dtype != kernel.dtype or not x.is_contiguous() or x.device.type != "cpu":
+        if grad_enabled() or x.dtype != dtype or not x.is_contiguous() or x.device.type != "cpu":
             return original(module, x)
         rows = x.numel() // x.shape[-1]
-        if rows < kernel.min_rows:
+        if rows < min_rows:
             return original(module, x)
         chosen = any_rows or (rows, packed.get(rows))
         if chosen[1] is None:
             return original(module, x)
-        return kernel.product(x, chosen[1], module.weight, module.bias, chosen[0])
+        return product(x, chosen[1], parameters["weight"], parameters["bias"], chosen[0])
 
     return forward

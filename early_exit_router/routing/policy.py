@@ -93,7 +93,7 @@ class ProbeSchedule:
 class Plan:
     """What one draft cycle does: 'plain' (no draft), 'ngram' (each row drafts its `proposals` entry), 'tree' (one
     row verifies the n-gram tier's `tree` of `max_draft` nodes) or 'exit' (exit index `tier`, up to `max_draft`
-    tokens, each with its head's next `branches` choices as alternatives: an exit tree)."""
+    tokens, each keeping its head's next `branches` choices as alternatives, verified as a tree where `exit_tree`)."""
 
     kind: str
     max_draft: int = 0
@@ -102,13 +102,14 @@ class Plan:
     proposals: tuple[Proposal | None, ...] = ()  # n-gram plans: per row, its drafts and their match (None: no row)
     tree: TokenTree | None = None  # 'tree' plans (one row): the nodes to verify in one pass
     rate: float = 0.0  # expected tokens per ms
-    branches: int = 0  # 'exit' plans: alternatives per drafted token, verified as a tree's leaves (0: a chain)
+    branches: int = 0  # 'exit' plans: alternatives each draft keeps (a chain's are judged, to learn their estimate)
+    exit_tree: bool = False  # 'exit' plans: the alternatives are verified with the chain, as a tree's leaves
 
     def label(self, exit_layers: Sequence[int]) -> str:
         """The plan's kind as statistics count it (`policy_cycles`): an exit's names its layer."""
         if self.kind != "exit":
             return self.kind
-        return f"exit {'tree ' if self.branches else ''}L{exit_layers[self.tier]}"
+        return f"exit {'tree ' if self.exit_tree else ''}L{exit_layers[self.tier]}"
 
 
 class DraftPolicy:
@@ -319,10 +320,10 @@ class DraftPolicy:
         (the leaf, with the full model's token after it in place of the one it would have chosen there)."""
         key: TierKey = ("exit", i)
         a = tracker.estimate(key)
+        k = self.exit_branches if branching else 0
         d, rate = self.best_draft(a, lambda d: self.exit_cycle_ms(i, d), budget)
-        best = Plan("exit", d, tier=i, key=key, rate=rate)
-        k = self.exit_branches
-        if branching and k > 0:
+        best = Plan("exit", d, tier=i, key=key, rate=rate, branches=k)  # a chain's alternatives are judged too
+        if k > 0:
             b = tracker.estimate(("exit branch", i))
             d, rate = self.best_length(
                 lambda d: expected_tokens(a, d) + b * (1.0 - a**d),
@@ -330,5 +331,5 @@ class DraftPolicy:
                 min(budget, self.tree_nodes // (k + 1)),
             )
             if rate > best.rate:
-                best = Plan("exit", d, tier=i, key=key, rate=rate, branches=k)
+                best = Plan("exit", d, tier=i, key=key, rate=rate, branches=k, exit_tree=True)
         return best
