@@ -25,6 +25,13 @@ from early_exit_router.routing.policy import (
 
 from .conftest import VOCAB, assert_cache_matches_full_forward, prompt, tiny_costs, tiny_llama
 
+
+@pytest.fixture(autouse=True)
+def _idle_cpus(monkeypatch):
+    """Other work on the machine is its own test's subject (below): here measurements are taken as if idle."""
+    monkeypatch.setattr(costs, "other_work_share", lambda before, after: 0.0)
+
+
 FLAT = CostModel.synthetic(30, layer_ms=[1.0] * 16, head_ms=[6.0] * 16, draft_head_ms=0.1)  # bandwidth-bound GPU
 STEEP = CostModel.synthetic(  # a small CPU: every extra position in a chunk costs almost as much as the first
     30, layer_ms=[0.9 * m + 0.1 for m in range(1, 17)], head_ms=[5.0 * m + 1.0 for m in range(1, 17)], draft_head_ms=1
@@ -568,3 +575,38 @@ def test_chunks_from_prepacked_weights_may_cost_less_than_one_position_and_are_h
     assert packed.problems() == []
     skewed = dataclasses.replace(packed, layer_ms=[2.0, 3.0] + [0.8] * 14)
     assert "under 0.5x 2 positions' 3 ms" in skewed.problems()[0]
+
+
+def test_a_table_measured_while_other_work_held_the_cpus_serves_its_process_only(tmp_path, monkeypatch, caplog):
+    """It passes every check of its own, yet its prices are the contention's: not cached, and the log says how to
+    cache one."""
+    import logging
+
+    monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path))
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
+    flat = dataclasses.replace(TINY["flat"], key=costs.cost_key(router.stack, 0))
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: flat)
+    monkeypatch.setattr(costs, "other_work_share", lambda before, after: 0.6)
+    with caplog.at_level(logging.WARNING, logger="early_exit_router"):
+        assert cost_model_for(router.stack, router.heads, 0) is flat
+    assert not list((tmp_path / "costs").glob("*.json"))
+    assert any(
+        "held 60% of the CPUs" in r.getMessage() and "profile --refresh" in r.getMessage() for r in caplog.records
+    )
+    monkeypatch.setattr(costs, "other_work_share", lambda before, after: None)  # not known (not Linux): cached
+    assert cost_model_for(router.stack, router.heads, 0) is flat and costs.load_cached(flat.key) == flat
+
+
+def test_the_cpu_accounting_sees_other_work_and_says_nothing_over_a_span_too_short_to_count():
+    from early_exit_router.routing.cpu_load import MIN_SPAN_S, CpuReading, other_work_share, read_cpu
+
+    before = CpuReading(busy_s=10.0, own_s=1.0, wall_s=100.0, cpus=2)
+    # over 2 s of 2 CPUs: 3 s busy, 1 of them this process's: other work held half
+    assert other_work_share(before, CpuReading(13.0, 2.0, 102.0, 2)) == pytest.approx(0.5)
+    assert other_work_share(before, CpuReading(12.0, 3.0, 102.0, 2)) == 0.0  # this process alone
+    assert other_work_share(before, CpuReading(10.5, 1.0, 100.0 + MIN_SPAN_S / 2, 2)) is None
+    assert other_work_share(None, before) is None
+    reading = read_cpu()
+    if reading is None:
+        pytest.skip("this system does not provide /proc/stat")
+    assert reading.cpus >= 1 and reading.busy_s > 0 and reading.own_s > 0

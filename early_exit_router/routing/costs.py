@@ -13,7 +13,9 @@ on disk as JSON (`cache_root()/costs/<key hash>.json`), so later processes load 
 
 A table measured while other work held the CPU can be wrong by a factor (one layer 62 ms at one position, 9.9 ms at
 13). `CostModel.problems()` checks a table against itself (costs that fall as positions grow) and against a timed real
-step; a table with problems is measured again, not cached, and a decoder does not draft from it.
+step; a table with problems is measured again, not cached, and a decoder does not draft from it. A table measured
+while other work held more than BUSY_SHARE of the CPUs (`cpu_load.py`) passes those checks, yet its prices are the
+contention's: it serves the process that measured it and is not cached.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from typing import Any
 
 import torch
 
+from early_exit_router.routing.cpu_load import other_work_share, read_cpu
+
 COST_FORMAT_VERSION = 3  # 3: a fixed set of chunk lengths; 2: interleaved measurement rounds and a timed real step
 PAD_MIN_GAIN = 0.15  # pad a chunk only when the padded length is measured at least this much cheaper
 MEASURED_CHUNKS = (*range(1, 17), 24, 32, 48, 64)  # chunk lengths timed: dense where drafts live, sparse beyond
@@ -41,6 +45,7 @@ MEASURED_CHUNKS = (*range(1, 17), 24, 32, 48, 64)  # chunk lengths timed: dense 
 MIN_CHUNK_RATIO = 0.5
 REAL_STEP_FACTOR = 2.0
 OBSERVED_STEPS = 32  # plain steps a decoder's timings are judged over (`CostModel.stale`)
+BUSY_SHARE = 0.15  # other work's share of the CPUs while a table was measured above which it is not cached
 
 logger = logging.getLogger("early_exit_router")
 
@@ -406,8 +411,18 @@ def cost_model_for(stack: Any, heads: Any, draft_vocab_size: int, refresh: bool 
         logger.warning(
             "early-exit-router: measuring this model's costs on %s (once; cached at %s)", key["device"], path
         )
+        before = read_cpu()
         model = measure(stack, heads, draft_vocab_size)
+        busy = other_work_share(before, read_cpu())
         found = model.problems()
+        if not found and busy is not None and busy > BUSY_SHARE:
+            logger.warning(
+                "early-exit-router: other work held %.0f%% of the CPUs while the costs were measured: the table serves "
+                "this process only and is not cached (`early-exit-router profile --refresh` on an idle machine caches "
+                "one)",
+                100 * busy,
+            )
+            return model
         if not found:
             try:
                 save_cached(model)
