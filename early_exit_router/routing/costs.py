@@ -14,8 +14,9 @@ on disk as JSON (`cache_root()/costs/<key hash>.json`), so later processes load 
 A table measured while other work held the CPU can be wrong by a factor (one layer 62 ms at one position, 9.9 ms at
 13). `CostModel.problems()` checks a table against itself (costs that fall as positions grow) and against a timed real
 step; a table with problems is measured again, not cached, and a decoder does not draft from it. A table measured
-while other work held more than BUSY_SHARE of the CPUs (`cpu_load.py`) passes those checks, yet its prices are the
-contention's: it serves the process that measured it and is not cached.
+while other work held more than BUSY_SHARE of the CPUs (`cpu_load.py`) can pass those checks with the contention's
+prices: it is cached as a busy one, and the next process measures again, until a measurement is not busy or
+BUSY_RETRIES busy ones in a row say that this is how the machine is, so a busy machine's cold start stays bounded.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,8 @@ MEASURED_CHUNKS = (*range(1, 17), 24, 32, 48, 64)  # chunk lengths timed: dense 
 MIN_CHUNK_RATIO = 0.5
 REAL_STEP_FACTOR = 2.0
 OBSERVED_STEPS = 32  # plain steps a decoder's timings are judged over (`CostModel.stale`)
-BUSY_SHARE = 0.15  # other work's share of the CPUs while a table was measured above which it is not cached
+BUSY_SHARE = 0.15  # other work's share of the CPUs while a table is measured above which it counts as busy
+BUSY_RETRIES = 3  # busy measurements in a row after which a busy table is this machine's (no process measures again)
 
 logger = logging.getLogger("early_exit_router")
 
@@ -63,6 +65,8 @@ class CostModel:
     context: int = 0  # cached positions each layer held while measured
     real_step_ms: float = 0.0  # a timed real plain decoding step (every layer, one position, one head row): a check
     chunks: list[int] = field(default_factory=list)  # the chunk length of each entry (empty: 1, 2, 3, ...)
+    # Measurements in a row during which other work held more than BUSY_SHARE of the CPUs (0: this one was not).
+    busy_measurements: int = 0
 
     @property
     def chunk_lengths(self) -> list[int]:
@@ -399,12 +403,14 @@ def measure(
 
 
 def cost_model_for(stack: Any, heads: Any, draft_vocab_size: int, refresh: bool = False, tries: int = 2) -> CostModel:
-    """The cached cost model for this model and device; when missing (or implausible), measured (a few seconds,
-    said in one log line) and cached. A table that still has problems after `tries` measurements is kept for this
-    process only, and decoders do not draft from it (`CostModel.problems`)."""
+    """The cached cost model for this model and device; when missing (or implausible, or measured busy fewer than
+    BUSY_RETRIES times in a row), measured (a few seconds, said in one log line) and cached. A table that still has
+    problems after `tries` measurements is kept for this process only, and decoders do not draft from it
+    (`CostModel.problems`)."""
     key = cost_key(stack, draft_vocab_size)
     cached = None if refresh else load_cached(key)
-    if cached is not None and not cached.problems():
+    busy_before = cached.busy_measurements if cached is not None else 0
+    if cached is not None and not cached.problems() and not 0 < busy_before < BUSY_RETRIES:
         return cached
     path = cache_path(key)
     for attempt in range(tries):
@@ -416,13 +422,16 @@ def cost_model_for(stack: Any, heads: Any, draft_vocab_size: int, refresh: bool 
         busy = other_work_share(before, read_cpu())
         found = model.problems()
         if not found and busy is not None and busy > BUSY_SHARE:
+            model = replace(model, busy_measurements=busy_before + 1)
             logger.warning(
-                "early-exit-router: other work held %.0f%% of the CPUs while the costs were measured: the table serves "
-                "this process only and is not cached (`early-exit-router profile --refresh` on an idle machine caches "
-                "one)",
+                "early-exit-router: other work held %.0f%% of the CPUs while the costs were measured (%d time(s) in a "
+                "row): %s (`early-exit-router profile --refresh` on an idle machine replaces the table)",
                 100 * busy,
+                model.busy_measurements,
+                "the next process measures again"
+                if model.busy_measurements < BUSY_RETRIES
+                else "the table is kept as this machine's",
             )
-            return model
         if not found:
             try:
                 save_cached(model)

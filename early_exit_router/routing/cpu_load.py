@@ -1,8 +1,9 @@
 """How much of the CPUs this process may run on other work held while it timed something.
 
 A cost table timed while another process (a test run, a build, a second model) shared the cores prices every chunk
-length as that contention left it, and nothing inside the table shows it: the costs still rise with the positions,
-and a real step timed in the same minute agrees with them. Cached, such a table would steer every later process.
+length as that contention left it, and often nothing inside the table shows it: the costs still rise with the
+positions, and a real step timed in the same minute agrees with them. Cached, such a table would steer every later
+process.
 So the measurement reads the kernel's CPU accounting around itself (`CpuReading`, Linux's `/proc/stat`), and
 `other_work_share` says which share of this process's CPUs went to anything but this process, time a hypervisor
 stole from the virtual machine included. Where the system does not say (not Linux), nothing is known: None.
