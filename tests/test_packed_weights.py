@@ -43,6 +43,7 @@ def test_packed_passes_give_the_models_numbers_bitwise_and_leave_no_trace_on_it(
     stack, model = router.stack, router.model
     packed = stack.packed_weights
     assert len(packed) == sum(isinstance(m, nn.Linear) for m in model.modules())  # every layer's and the head
+    assert packed.groups == 2 * stack.num_layers  # query, key and value; gate and up: one product each
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.tensor([[3, 17, 5, 9, 40, 41, 42, 3, 17]])
     with torch.no_grad():
@@ -132,6 +133,7 @@ def test_float32_packs_serve_their_row_counts_to_float_rounding_and_others_take_
     packed = stack.packed_weights
     kernel = packed_module.float32_kernel()
     assert len(packed) == sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert packed.groups == 2 * stack.num_layers
     layers = sum(m.weight.nbytes for m in stack.layers.modules() if isinstance(m, nn.Linear))
     assert packed.nbytes == layers * len(kernel.layer_rows) + stack.lm_head.weight.nbytes * len(kernel.head_rows)
     assert packed.serves(1) == (kernel.any_rows and kernel.min_rows == 1)  # else plain steps stay bitwise HF
@@ -229,3 +231,58 @@ def test_a_block_adapters_layer_runs_from_packed_copies_of_its_own_weights(fp32_
     del adapter
     gc.collect()
     assert len(stack._module_packs) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linears_that_read_one_input_run_one_product_and_each_gets_its_own_numbers(monkeypatch, dtype):
+    if dtype == torch.bfloat16 and not SUPPORTED:
+        pytest.skip("this CPU does not compute bfloat16 natively")
+    base = packed_module.kernel_for(dtype)
+    if base is None:
+        pytest.skip("this torch build has no packed float32 product")
+    monkeypatch.setitem(packed_module.MIN_ELEMENTS, torch.float32, 0)
+    calls = []
+
+    def counted(x, packed, weight, bias, rows):
+        calls.append(tuple(weight.shape))
+        return base.product(x, packed, weight, bias, rows)
+
+    kernel = dataclasses.replace(base, product=counted, min_rows=1)
+    monkeypatch.setattr(packed_module, "kernel_for", lambda dt: kernel if dt == dtype else None)
+    torch.manual_seed(0)
+    q, k, v = (nn.Linear(64, n, bias=True).to(dtype) for n in (64, 32, 32))
+    other = nn.Linear(48, 16).to(dtype)  # another input width: never grouped with them
+    packed = PackedLinears([q, k, v, other], groups=[[q, k, v], [q, other]])
+    calls.clear()  # the shape checks' own products
+    assert {packed._entries[id(m)].group is not None for m in (q, k, v)} == {True}
+    assert packed._entries[id(other)].group is None
+    assert packed.nbytes == sum(m.weight.nbytes for m in (q, k, v, other)) * len(kernel.layer_rows)
+    rows = 8 if kernel.any_rows else kernel.layer_rows[0]
+    x, y = (torch.randn(1, rows, 64).to(dtype) for _ in range(2))
+
+    def check(module, inputs):
+        got = module(inputs)
+        want = nn.functional.linear(inputs, module.weight, module.bias)
+        assert got.is_contiguous() and got.shape == want.shape
+        assert torch.equal(got, want) if kernel.bitwise else torch.allclose(got, want, atol=1e-5, rtol=0)
+
+    with torch.no_grad():
+        with packed.active([q, k, v, other]):
+            for module in (k, q, v):  # any order: the first call with an input computes the stacked product
+                check(module, x)
+            assert calls == [(128, 64)]
+            check(q, y)  # another input: a product of its own over the stacked weight
+            check(k, x)  # the latest product was y's now
+            assert len(calls) == 3
+            x.add_(1)  # changed in place since its product: computed again
+            check(v, x)
+            assert len(calls) == 4 and packed._latest[1] is x
+        assert packed._latest == [None, None, -1, None]  # nothing kept once the scope ends
+        k.weight.mul_(2)  # in place: the group is packed again, with k's new numbers
+        with packed.active([q, k, v]):
+            for module in (q, k, v):
+                check(module, x)
+        assert packed._entries[id(k)].group is packed._entries[id(q)].group is not None
+    assert not any("forward" in m.__dict__ for m in (q, k, v, other))
+    mixed = nn.Linear(64, 8, bias=False).to(dtype)  # a member without a bias: packed alone
+    assert PackedLinears([q, mixed], groups=[[q, mixed]])._entries[id(q)].group is None

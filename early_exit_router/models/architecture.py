@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import operator
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
 from functools import lru_cache
@@ -53,6 +53,9 @@ class ArchitectureSpec:
     embed_multiplier: float | None = None  # measured by discovery: the forward scales embeddings (Granite, Gemma)
     logit_multiplier: float | None = None  # measured by discovery: the forward scales logits (Cohere, Granite)
     final_logit_softcapping_attr: str | None = None
+    # Names of linears that read one input, each set packed as one weight (`packed.py`). A wrong guess costs only
+    # speed: a member called with another input gets its columns from a product of its own.
+    shared_input_linears: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -88,6 +91,8 @@ def architecture_table() -> dict[str, ArchitectureSpec]:
         if unknown:
             raise ValueError(f"patch file {name} has unknown keys {sorted(unknown)}")
         data["model_types"] = tuple(data["model_types"])
+        if "shared_input_linears" in data:
+            data["shared_input_linears"] = tuple(tuple(names) for names in data["shared_input_linears"])
         spec = ArchitectureSpec(**data)
         for model_type in spec.model_types:
             table[model_type] = spec
@@ -152,7 +157,8 @@ class LayerStack:
         reason = "switched off" if not enabled else packing_supported(self.device, self.dtype)
         if reason is None:
             layers = [m for group in self._layer_linears for m in group]
-            self._packed = PackedLinears(layers, head=self.lm_head) or None
+            groups = [g for layer in self.layers for g in _shared_input_groups(layer, self.spec.shared_input_linears)]
+            self._packed = PackedLinears(layers, head=self.lm_head, groups=groups) or None
             reason = None if self._packed is not None else "no weight large enough for packing to pay"
         return reason
 
@@ -303,7 +309,8 @@ class LayerStack:
             return None
         packed = self._module_packs.get(layer)
         if packed is None:
-            packed = self._module_packs[layer] = PackedLinears(_linears(layer))
+            groups = _shared_input_groups(layer, self.spec.shared_input_linears)
+            packed = self._module_packs[layer] = PackedLinears(_linears(layer), groups=groups)
         return packed
 
     def _module_products(self, layer: nn.Module, rows: int) -> AbstractContextManager[None]:
@@ -399,6 +406,17 @@ class LayerStack:
 def _linears(module: nn.Module) -> list[nn.Module]:
     """Every `nn.Linear` inside `module` (the products packed weights can serve)."""
     return [m for m in module.modules() if isinstance(m, nn.Linear)]
+
+
+def _shared_input_groups(module: nn.Module, names: Sequence[Sequence[str]]) -> list[list[nn.Module]]:
+    """The linears in `module`'s tree that read one input, found by `names` among each submodule's children."""
+    groups = []
+    for parent in module.modules():
+        for group in names:
+            members = [parent._modules.get(name) for name in group]
+            if all(isinstance(m, nn.Linear) for m in members):
+                groups.append(members)
+    return groups
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:

@@ -24,7 +24,10 @@ memory again as those weights per packed row count) and, for the length of one o
 parameters, state_dict and plain HF `generate` are the base's. A weight changed in place (training,
 `load_state_dict`) is noticed by its version counter and packed again; anything a packed kernel does not serve
 (gradients, a non-contiguous input, another dtype, a row count not packed) takes the module's own `forward`. Each
-weight shape is checked against `F.linear` once before it is used.
+weight shape is checked against `F.linear` once before it is used. Linears that read one input (the architecture
+spec's `shared_input_linears`: a layer's query, key and value projections, its gate and up projections) are packed
+as one stacked weight, so one product serves them (`_Group`); a stacked shape is checked the same way, each member's
+columns against its own `F.linear`.
 """
 
 from __future__ import annotations
@@ -203,19 +206,50 @@ class _Packed:
     version: int
     data_ptr: int
     forward: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
+    group: _Group | None = None  # the modules packed with it as one weight (None: packed alone)
 
     @property
     def rows(self) -> tuple[int, ...]:
         return tuple(self.packed)
 
 
+@dataclass(eq=False)
+class _Group:
+    """Linears that read one input, packed as one weight (theirs stacked along the output rows): one product, whose
+    columns are each module's, serves them all. At decoding's few rows a product costs about as much around the
+    kernel as in it (oneDNN: some 40 us a call, 10 in the kernel), so SmolLM2's attention runs one product over
+    960 output rows where it ran 576, 192 and 192 (a bf16 step 26.7 -> 23.1 ms in its layers' products here)."""
+
+    members: tuple[nn.Linear, ...]
+    bounds: tuple[tuple[int, int], ...]  # each member's output columns in the stacked product
+    packed: dict[int, torch.Tensor]  # row count -> the stacked weight packed for it
+    weight: torch.Tensor  # what the product takes as the weight: a stand-in of the stacked shape (it reads `packed`)
+    bias: torch.Tensor | None  # the members' biases, stacked
+
+
 class PackedLinears:
     """Packed copies of a set of `nn.Linear` weights and the scoped swap that uses them (`active`). `head` (if given)
-    is packed for the kernel's head row counts, the others for its layer row counts."""
+    is packed for the kernel's head row counts, the others for its layer row counts. Each of `groups` (modules that
+    read one input: a layer's query, key and value projections) is packed as one weight where its members allow it;
+    a member called with another input than its group's latest product still gets its own columns, from a product of
+    its own over the stacked weight."""
 
-    def __init__(self, modules: Sequence[nn.Module], head: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        head: nn.Module | None = None,
+        groups: Sequence[Sequence[nn.Module]] = (),
+    ) -> None:
         self._entries: dict[int, _Packed] = {}
+        # The latest stacked product, whose other members' columns the next calls with the same input take:
+        # [group, input, input's version, output]; emptied when the scope ends.
+        self._latest: list = [None, None, -1, None]
+        for group in groups:
+            for entry in self._pack_group(group):
+                self._entries[id(entry.module)] = entry
         for module in [*modules, *([head] if head is not None else [])]:
+            if id(module) in self._entries:
+                continue
             kernel = kernel_for(getattr(getattr(module, "weight", None), "dtype", None))
             if kernel is None:
                 continue
@@ -248,23 +282,78 @@ class PackedLinears:
         return sorted({e.kernel.name for e in self._entries.values()})
 
     @property
+    def groups(self) -> int:
+        """How many groups of linears run as one product."""
+        return len({id(e.group) for e in self._entries.values() if e.group is not None})
+
+    @property
     def nbytes(self) -> int:
         """Memory held by the packed copies (one weight's size per packed row count)."""
-        return sum(e.module.weight.nbytes * len(e.packed) for e in self._entries.values())
+        return sum(e.module.weight.nbytes * len(e.packed) for e in self._entries.values())  # a group's sum to its size
 
-    def _pack(self, module: nn.Module, rows: tuple[int, ...]) -> _Packed | None:
-        """A packed entry for `module`, or None where it cannot be served (its own forward is then used)."""
+    def _pack(self, module: nn.Module, rows: tuple[int, ...], check: bool = True) -> _Packed | None:
+        """A packed entry for `module`, or None where it cannot be served (its own forward is then used). Without
+        `check`, only whether it could be: an entry that packs nothing."""
         weight = getattr(module, "weight", None)
         kernel = kernel_for(getattr(weight, "dtype", None))
         if kernel is None or not isinstance(module, nn.Linear) or type(weight) is not nn.Parameter:
             return None
-        if "forward" in module.__dict__ or weight.device.type != "cpu":  # another wrapper owns this forward
+        if weight.device.type != "cpu" or self._wrapped_by_another(module):
             return None
-        if weight.numel() < MIN_ELEMENTS.get(kernel.dtype, 0) or not _checked(module, kernel, rows):
+        if not check:
+            return _Packed(module, kernel, {}, weight._version, weight.data_ptr(), module.forward)
+        out_features, in_features = weight.shape
+        if weight.numel() < MIN_ELEMENTS.get(kernel.dtype, 0):
+            return None
+        if not _checked([out_features], in_features, module.bias is not None, kernel, rows):
             return None
         packed = {r: kernel.pack(weight.detach(), r) for r in rows}
         forward = _packed_forward(module, kernel, packed)
         return _Packed(module, kernel, packed, weight._version, weight.data_ptr(), forward)
+
+    def _wrapped_by_another(self, module: nn.Module) -> bool:
+        """Whether a `forward` other than this stack's own swapped one is set on `module` (another wrapper's)."""
+        forward, entry = module.__dict__.get("forward"), self._entries.get(id(module))
+        return forward is not None and (entry is None or forward is not entry.forward)
+
+    def _pack_group(self, modules: Sequence[nn.Module]) -> list[_Packed]:
+        """Entries for `modules` packed as one weight, or none where they cannot be (each is then packed alone)."""
+        members = tuple(modules)
+        weights = [getattr(m, "weight", None) for m in members]
+        kernel = kernel_for(getattr(weights[0], "dtype", None))
+        if len(members) < 2 or kernel is None or len({id(m) for m in members}) < len(members):
+            return []
+        if any(self._pack(m, (), check=False) is None or w.dtype != kernel.dtype for m, w in zip(members, weights)):
+            return []
+        if len({w.shape[1] for w in weights}) > 1 or len({m.bias is None for m in members}) > 1:
+            return []
+        rows = kernel.layer_rows
+        if sum(w.numel() for w in weights) < MIN_ELEMENTS.get(kernel.dtype, 0):
+            return []
+        if not _checked([w.shape[0] for w in weights], weights[0].shape[1], members[0].bias is not None, kernel, rows):
+            return []
+        stacked = torch.cat([w.detach() for w in weights])  # (sum of out_features, in_features)
+        bias = torch.cat([m.bias.detach() for m in members]) if members[0].bias is not None else None
+        ends = torch.tensor([w.shape[0] for w in weights]).cumsum(0).tolist()
+        group = _Group(
+            members,
+            tuple(zip([0, *ends[:-1]], ends)),
+            {r: kernel.pack(stacked, r) for r in rows},
+            _stand_in(stacked),
+            bias,
+        )
+        return [
+            _Packed(
+                m,
+                kernel,
+                group.packed,
+                w._version,
+                w.data_ptr(),
+                _packed_forward(m, kernel, group.packed, group, self._latest),
+                group,
+            )
+            for m, w in zip(members, weights)
+        ]
 
     @contextmanager
     def active(self, modules: Iterable[nn.Module]) -> Iterator[None]:
@@ -286,47 +375,72 @@ class PackedLinears:
         finally:
             for module in swapped:
                 module.__dict__.pop("forward", None)
+            self._latest[:] = [None, None, -1, None]
 
     def _repack(self, module: nn.Module, rows: tuple[int, ...]) -> _Packed | None:
-        """The weight changed in place or moved since it was packed: pack it again (or stop packing it)."""
-        entry = self._pack(module, rows)
-        if entry is None:
-            self._entries.pop(id(module), None)
-        else:
-            self._entries[id(module)] = entry
+        """The weight changed in place or moved since it was packed: pack it again (or stop packing it), with the
+        rest of its group where it has one."""
+        old = self._entries.get(id(module))
+        members = old.group.members if old is not None and old.group is not None else (module,)
+        grouped = {id(e.module): e for e in self._pack_group(members)}
+        for member in members:
+            entry = grouped.get(id(member)) or self._pack(member, rows)
+            if entry is None:
+                self._entries.pop(id(member), None)
+            else:
+                self._entries[id(member)] = entry
         self._count_rows()
-        return entry
+        return self._entries.get(id(module))
 
 
-_CHECKED: dict[tuple[str, torch.dtype, int, int, bool, tuple[int, ...]], bool] = {}  # shape -> check passed
+_CHECKED: dict[tuple, bool] = {}  # (kernel, dtype, out_features, in_features, bias, rows) -> check passed
 
 
-def _checked(module: nn.Linear, kernel: PackedKernel, rows: tuple[int, ...]) -> bool:
-    """Whether the packed product equals `F.linear` for this weight shape, bitwise or to float rounding as the
-    kernel promises (checked once per shape and row counts, in this process)."""
-    out_features, in_features = module.weight.shape
-    shape = (kernel.name, kernel.dtype, out_features, in_features, module.bias is not None, rows)
+def _checked(
+    out_features: Sequence[int], in_features: int, bias: bool, kernel: PackedKernel, rows: tuple[int, ...]
+) -> bool:
+    """Whether the packed product equals `F.linear` for weights of these shapes (several: stacked as one weight, each
+    one's columns against its own `F.linear`), bitwise or to float rounding as the kernel promises (checked once per
+    shapes and row counts, in this process)."""
+    shape = (kernel.name, kernel.dtype, tuple(out_features), in_features, bias, rows)
     if shape not in _CHECKED:
         generator = torch.Generator().manual_seed(0)
-        weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).to(kernel.dtype)
-        bias = torch.randn(out_features, generator=generator).to(kernel.dtype) if module.bias is not None else None
+        weights = [(torch.randn(o, in_features, generator=generator) * 0.05).to(kernel.dtype) for o in out_features]
+        biases = [torch.randn(o, generator=generator).to(kernel.dtype) if bias else None for o in out_features]
+        stacked = torch.cat(weights)
+        weight = weights[0] if len(weights) == 1 else _stand_in(stacked)
+        stacked_bias = torch.cat(biases) if bias and len(biases) > 1 else biases[0]
         exact = True
         for packed_rows in rows:
-            packed = kernel.pack(weight, packed_rows)
+            packed = kernel.pack(stacked, packed_rows)
             for count in [r for r in CHECK_ROWS if r >= kernel.min_rows] if kernel.any_rows else (packed_rows,):
                 x = torch.randn(1, count, in_features, generator=generator).to(kernel.dtype)
-                got, want = kernel.product(x, packed, weight, bias, packed_rows), F.linear(x, weight, bias)
-                close = torch.allclose(got, want, rtol=1e-4, atol=1e-4)
-                exact = exact and (torch.equal(got, want) if kernel.bitwise else close)
+                got = kernel.product(x, packed, weight, stacked_bias, packed_rows).split(list(out_features), -1)
+                for columns, w, b in zip(got, weights, biases):
+                    want = F.linear(x, w, b)
+                    same = torch.equal(columns, want) if kernel.bitwise else torch.allclose(columns, want, 1e-4, 1e-4)
+                    exact = exact and same
         if not exact:
             logger.info("early-exit-router: packed %s weights differ from F.linear; not packing them", shape)
         _CHECKED[shape] = exact
     return _CHECKED[shape]
 
 
+def _stand_in(stacked: torch.Tensor) -> torch.Tensor:
+    """What a stacked weight's product takes as the weight: its shape, no memory (the kernel reads the packed copy;
+    `_checked` confirms that it does)."""
+    return stacked.new_zeros(1, 1).expand(stacked.shape)
+
+
 def _packed_forward(
-    module: nn.Linear, kernel: PackedKernel, packed: dict[int, torch.Tensor]
+    module: nn.Linear,
+    kernel: PackedKernel,
+    packed: dict[int, torch.Tensor],
+    group: _Group | None = None,
+    latest: list | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`module`'s forward from `packed`; in a `group`, its columns of the stacked product, which the group's first
+    call with an input computes and keeps in `latest` for the others."""
     original = type(module).forward
     any_rows = next(iter(packed.items())) if kernel.any_rows else None
     # Looked up once: this runs for every linear of every step, where attribute lookups on the module and the
@@ -338,6 +452,7 @@ def _packed_forward(
         kernel.min_rows,
         torch.is_grad_enabled,
     )
+    start, stop = group.bounds[group.members.index(module)] if group is not None else (0, 0)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if grad_enabled() or x.dtype != dtype or not x.is_contiguous() or x.device.type != "cpu":
@@ -348,6 +463,10 @@ def _packed_forward(
         chosen = any_rows or (rows, packed.get(rows))
         if chosen[1] is None:
             return original(module, x)
-        return product(x, chosen[1], parameters["weight"], parameters["bias"], chosen[0])
+        if group is None:
+            return product(x, chosen[1], parameters["weight"], parameters["bias"], chosen[0])
+        if latest[0] is not group or latest[1] is not x or latest[2] != x._version:
+            latest[:] = [group, x, x._version, product(x, chosen[1], group.weight, group.bias, chosen[0])]
+        return latest[3][..., start:stop].contiguous()  # one row's columns are contiguous already: no copy
 
     return forward
