@@ -245,6 +245,8 @@ class PackedLinears:
         # [group, input, input's version, output]; emptied when the scope ends.
         self._latest: list = [None, None, -1, None]
         for group in groups:
+            if any(id(m) in self._entries for m in group):  # a module joins one group only
+                continue
             for entry in self._pack_group(group):
                 self._entries[id(entry.module)] = entry
         for module in [*modules, *([head] if head is not None else [])]:
