@@ -33,6 +33,7 @@ columns against its own `F.linear`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import statistics
 import time
@@ -293,17 +294,12 @@ class PackedLinears:
         """Memory held by the packed copies (one weight's size per packed row count)."""
         return sum(e.module.weight.nbytes * len(e.packed) for e in self._entries.values())  # a group's sum to its size
 
-    def _pack(self, module: nn.Module, rows: tuple[int, ...], check: bool = True) -> _Packed | None:
-        """A packed entry for `module`, or None where it cannot be served (its own forward is then used). Without
-        `check`, only whether it could be: an entry that packs nothing."""
-        weight = getattr(module, "weight", None)
-        kernel = kernel_for(getattr(weight, "dtype", None))
-        if kernel is None or not isinstance(module, nn.Linear) or type(weight) is not nn.Parameter:
+    def _pack(self, module: nn.Module, rows: tuple[int, ...]) -> _Packed | None:
+        """A packed entry for `module`, or None where it cannot be served (its own forward is then used)."""
+        kernel = self._kernel_for_module(module)
+        if kernel is None:
             return None
-        if weight.device.type != "cpu" or self._wrapped_by_another(module):
-            return None
-        if not check:
-            return _Packed(module, kernel, {}, weight._version, weight.data_ptr(), module.forward)
+        weight = module.weight
         out_features, in_features = weight.shape
         if weight.numel() < MIN_ELEMENTS.get(kernel.dtype, 0):
             return None
@@ -313,6 +309,17 @@ class PackedLinears:
         forward = _packed_forward(module, kernel, packed)
         return _Packed(module, kernel, packed, weight._version, weight.data_ptr(), forward)
 
+    def _kernel_for_module(self, module: nn.Module) -> PackedKernel | None:
+        """The packed kernel that could serve `module`: a plain `nn.Linear` weight on the CPU in a packed dtype, whose
+        `forward` no other wrapper owns (None: none could)."""
+        weight = getattr(module, "weight", None)
+        kernel = kernel_for(getattr(weight, "dtype", None))
+        if kernel is None or not isinstance(module, nn.Linear) or type(weight) is not nn.Parameter:
+            return None
+        if weight.device.type != "cpu" or self._wrapped_by_another(module):
+            return None
+        return kernel
+
     def _wrapped_by_another(self, module: nn.Module) -> bool:
         """Whether a `forward` other than this stack's own swapped one is set on `module` (another wrapper's)."""
         forward, entry = module.__dict__.get("forward"), self._entries.get(id(module))
@@ -321,12 +328,13 @@ class PackedLinears:
     def _pack_group(self, modules: Sequence[nn.Module]) -> list[_Packed]:
         """Entries for `modules` packed as one weight, or none where they cannot be (each is then packed alone)."""
         members = tuple(modules)
-        weights = [getattr(m, "weight", None) for m in members]
-        kernel = kernel_for(getattr(weights[0], "dtype", None))
-        if len(members) < 2 or kernel is None or len({id(m) for m in members}) < len(members):
+        if len(members) < 2 or len({id(m) for m in members}) < len(members):
             return []
-        if any(self._pack(m, (), check=False) is None or w.dtype != kernel.dtype for m, w in zip(members, weights)):
+        kernels = {self._kernel_for_module(m) for m in members}
+        kernel = kernels.pop() if len(kernels) == 1 else None
+        if kernel is None:
             return []
+        weights = [m.weight for m in members]
         if len({w.shape[1] for w in weights}) > 1 or len({m.bias is None for m in members}) > 1:
             return []
         rows = kernel.layer_rows
@@ -336,7 +344,7 @@ class PackedLinears:
             return []
         stacked = torch.cat([w.detach() for w in weights])  # (sum of out_features, in_features)
         bias = torch.cat([m.bias.detach() for m in members]) if members[0].bias is not None else None
-        ends = torch.tensor([w.shape[0] for w in weights]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(w.shape[0] for w in weights))
         group = _Group(
             members,
             tuple(zip([0, *ends[:-1]], ends)),
