@@ -9,6 +9,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.models import _compat
 
 from .conftest import (
     ALWAYS_EXIT,
@@ -260,6 +261,23 @@ def test_statistics_are_consistent():
     assert s.deep_passes >= 1 and s.mean_fill_chunk >= 1
     assert "hit rate" in s.summary()
     assert '"exit_histogram"' in s.to_json()
+
+
+@pytest.mark.parametrize("mode", ["exit", "verify"])
+def test_outputs_are_ordinary_tensors_that_a_next_step_can_train_through(mode):
+    # Decoding runs in inference mode; what it returns must not carry that mode's restrictions.
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    out = router.generate(prompt(0), max_new_tokens=12, mode=mode, output_logits=True)
+    tensors = [out.sequences, *out.logits, *(t for layer in out.cache.layers for t in (layer.keys, layer.values))]
+    assert not any(t.is_inference() for t in tensors)
+    out.sequences[0, -1] = 0  # in-place updates are allowed
+    with torch.enable_grad():  # a next position with autograd, attending to the returned cache
+        cache = {_compat.cache_kwarg_for(type(model)): out.cache}  # this release's keyword
+        logits = model(out.sequences[:, -1:], use_cache=True, **cache).logits
+        logits.sum().backward()
+    assert model.lm_head.weight.grad is not None
+    assert not torch.is_inference_mode_enabled()
 
 
 def test_bf16_on_cpu_follows_the_model_dtype():

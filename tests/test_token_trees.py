@@ -99,6 +99,11 @@ def test_the_policy_drafts_trees_where_positions_are_cheap_and_chains_where_not(
     assert DraftPolicy(FLAT, [], [], tree_nodes=16).plan(tracker, 8, [proposal], exits=False).kind == "ngram"
 
 
+def _verify(decoder, tree):
+    with torch.inference_mode():  # as a decoder's step runs it
+        verify_tree(decoder, tree)
+
+
 def _decoder_after_prefill(router, ids):
     decoder = router.decoder(mode="verify")
     request = DecodeRequest(max_new_tokens=32, eos_token_ids=frozenset())
@@ -121,7 +126,7 @@ def test_a_verified_tree_keeps_the_path_the_model_takes_and_the_cache_of_a_full_
     # The model's continuation is the second branch, under a wrong first branch that shares nothing with it, and
     # a wrong sibling splits off it after two tokens.
     tree = build_tree([(wrong[1:5], 2.0), (greedy[1:5], 1.0), (greedy[1:3] + wrong[3:5], 1.0)], match=2)
-    verify_tree(decoder, tree)
+    _verify(decoder, tree)
     assert row.tokens[ids.shape[1] :] == greedy[:6]  # the 4 nodes of the path, then the full model's next token
     assert row.depth == [5, -1, -1, -1, -1, 5]
     sequences = torch.tensor([row.tokens])
@@ -131,7 +136,7 @@ def test_a_verified_tree_keeps_the_path_the_model_takes_and_the_cache_of_a_full_
         assert block.end == sequences.shape[1] - 1  # the kept path's states, in order
     assert decoder.stats(row).drafts_judged == 4 and decoder.stats(row).rejected_drafts == 0
     # a tree the model refuses at once: only its own token follows
-    verify_tree(decoder, build_tree([([wrong[6]], 1.0), ([(greedy[6] + 2) % 96], 1.0)], 2))
+    _verify(decoder, build_tree([([wrong[6]], 1.0), ([(greedy[6] + 2) % 96], 1.0)], 2))
     assert row.tokens[ids.shape[1] :] == greedy[:7] and decoder.stats(row).rejected_drafts == 1
     assert_cache_matches_full_forward(model, torch.tensor([row.tokens]), decoder.fill.cache)
 
@@ -144,7 +149,7 @@ def test_a_token_that_ends_generation_ends_the_kept_path():
     decoder = router.decoder(mode="verify")
     request = DecodeRequest(max_new_tokens=32, eos_token_ids=frozenset({greedy[2]}))  # the path's second node
     row = decoder.join(ids, request, TokenSelector(SamplingParams(), router.stack.device))
-    verify_tree(decoder, build_tree([(greedy[1:5], 1.0), ([(greedy[1] + 1) % 96], 1.0)], 2))
+    _verify(decoder, build_tree([(greedy[1:5], 1.0), ([(greedy[1] + 1) % 96], 1.0)], 2))
     assert row.output() == greedy[:3] and row.tokens[ids.shape[1] :] == greedy[:3]
     assert_cache_matches_full_forward(model, torch.tensor([row.tokens]), decoder.fill.cache)
 

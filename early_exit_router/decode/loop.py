@@ -139,7 +139,9 @@ class Decoder(DecodeState):
         adapter's per-sequence context."""
         return self.pending == 0 and not self.block_exits
 
-    @torch.no_grad()  # not inference_mode: returned tensors must stay usable with autograd
+    # Decoding runs in inference mode: without autograd's version counters and view tracking every operator costs
+    # less (a bf16 or float32 plain step about 5% less here). What leaves the decoder is ordinary tensors (`finish`).
+    @torch.inference_mode()
     def prefill(
         self,
         ids: torch.Tensor,
@@ -176,7 +178,7 @@ class Decoder(DecodeState):
             row.prefill_s = time.perf_counter() - started
         settle(self)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def join(self, ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> Row:
         """Add one sequence (1, n) between steps: prefilled alone, then left-padded into the batch."""
         if not self.rows:
@@ -194,12 +196,13 @@ class Decoder(DecodeState):
         return Decoder(self.stack, self.heads, self.rule, self.config, self.mode, costs=self.costs,
                        store=self.suffix.store, batch_design=design, pad_token_id=self.pad_token_id)  # fmt: skip
 
+    @torch.inference_mode()
     def remove(self, rows: list[Row]) -> None:
         """Drop rows (finished or cancelled) between steps."""
         batching.remove(self, rows)
 
     # ---------------------------------------------------------------------------------------------------- steps
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> None:
         """One step for every row (a token each, or a draft), or, once no row drafts on, the flush of what waits."""
         if not self.rows:
@@ -353,11 +356,13 @@ class Decoder(DecodeState):
         for row in self.rows:
             row.ended = row.ended if row.ended is not None else now
         cache = self.fill.cache
-        _compat.trim_sliding(cache)  # no rollback can follow: sliding layers keep only their window
-        if len(self.rows) > 1 and self.per_row:
-            return None
-        width = max(len(row.output()) for row in self.rows)
-        n = self.rows[0].start
-        for layer_idx in range(self.stack.num_layers):  # drafts accepted past the last stop: not in the output
-            _compat.crop_cache_layer(cache, layer_idx, n + width - 1)
+        with torch.inference_mode():  # the layers hold inference tensors until released below
+            _compat.trim_sliding(cache)  # no rollback can follow: sliding layers keep only their window
+            if len(self.rows) > 1 and self.per_row:
+                return None
+            width = max(len(row.output()) for row in self.rows)
+            n = self.rows[0].start
+            for layer_idx in range(self.stack.num_layers):  # drafts accepted past the last stop: not in the output
+                _compat.crop_cache_layer(cache, layer_idx, n + width - 1)
+        _compat.release_inference_tensors(cache)
         return cache

@@ -96,6 +96,17 @@ def crop_cache_layer(cache: DynamicCache, layer_idx: int, keep: int) -> None:
         cache.layers[layer_idx].crop(-remove)
 
 
+def release_inference_tensors(cache: Any) -> None:
+    """Make the tensors `cache`'s layers hold ordinary ones (copies), where decoding left inference tensors: those
+    refuse autograd and in-place updates outside `torch.inference_mode`, which a caller's next step may need."""
+    if torch.is_inference_mode_enabled():  # the caller decodes on in inference mode: nothing to release
+        return
+    for layer in getattr(cache, "layers", ()):
+        for name, value in vars(layer).items():
+            if isinstance(value, torch.Tensor) and value.is_inference():
+                setattr(layer, name, value.clone())
+
+
 def drop_last_positions(cache: DynamicCache, layer_idx: int, count: int) -> None:
     """Remove the last `count` positions of one layer, keeping every state a later rollback may need.
 

@@ -475,8 +475,9 @@ def _packed_forward(
             return original(module, x)
         if group is None:
             return product(x, chosen[1], parameters["weight"], parameters["bias"], chosen[0])
-        if latest[0] is not group or latest[1] is not x or latest[2] != x._version:
-            latest[:] = [group, x, x._version, product(x, chosen[1], group.weight, group.bias, chosen[0])]
+        version = -1 if x.is_inference() else x._version  # an inference tensor keeps no version counter
+        if latest[0] is not group or latest[1] is not x or latest[2] != version:
+            latest[:] = [group, x, version, product(x, chosen[1], group.weight, group.bias, chosen[0])]
         return latest[3][..., start:stop].contiguous()  # one row's columns are contiguous already: no copy
 
     return forward

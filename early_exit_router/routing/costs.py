@@ -329,7 +329,7 @@ def _timer(device: torch.device, reps: int) -> Callable[[Callable[[], Any]], flo
     return timed
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as the decoder runs its steps
 def measure(
     stack: Any,
     heads: Any,
