@@ -507,7 +507,7 @@ def test_cold_start_is_bounded_whatever_the_config_and_says_what_it_does(tmp_pat
         out = router.generate(prompt(0), max_new_tokens=8, mode="verify")
     assert list(router.costs().chunk_lengths) == list(costs.MEASURED_CHUNKS)
     lines = [r.getMessage() for r in caplog.records if "measuring" in r.getMessage()]
-    assert len(lines) == 1 and str(tmp_path / "costs") in lines[0]
+    assert len(lines) == 1 and str(tmp_path / "costs") in lines[0] and "(once;" in lines[0]
     assert torch.equal(out.sequences, model.generate(prompt(0), max_new_tokens=8, do_sample=False))
     monkeypatch.setattr(costs, "measure", lambda *a, **k: pytest.fail("measured again"))
     router.generate(prompt(0), max_new_tokens=4, mode="verify", config={"max_pending": 3})
@@ -608,6 +608,8 @@ def test_a_table_measured_while_other_work_held_the_cpus_is_measured_again_a_bou
     messages = [r.getMessage() for r in caplog.records if "held 60% of the CPUs" in r.getMessage()]
     assert len(messages) == costs.BUSY_RETRIES and "the next process measures again" in messages[0]
     assert "kept as this machine's" in messages[-1] and "profile --refresh" in messages[-1]
+    measuring = [r.getMessage() for r in caplog.records if "measuring this model's costs" in r.getMessage()]
+    assert "(once;" in measuring[0] and all("(again: the cached table was measured beside" in m for m in measuring[1:])
     assert cost_model_for(router.stack, router.heads, 0).busy_measurements == costs.BUSY_RETRIES
     assert len(measured) == costs.BUSY_RETRIES  # the machine's table now: not measured again
     monkeypatch.setattr(costs, "other_work_share", lambda before, after: 0.01)  # an idle machine

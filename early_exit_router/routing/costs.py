@@ -414,9 +414,16 @@ def cost_model_for(stack: Any, heads: Any, draft_vocab_size: int, refresh: bool 
     if cached is not None and not cached.problems() and not 0 < busy_before < BUSY_RETRIES:
         return cached
     path = cache_path(key)
+    if cached is None:
+        why = "as asked" if refresh else "once"
+    else:
+        why = "again: the cached table " + ("looks wrong" if cached.problems() else "was measured beside other work")
     for attempt in range(tries):
         logger.warning(
-            "early-exit-router: measuring this model's costs on %s (once; cached at %s)", key["device"], path
+            "early-exit-router: measuring this model's costs on %s (%s; cached at %s)",
+            key["device"],
+            why if attempt == 0 else "again",
+            path,
         )
         before = read_cpu()
         model = measure(stack, heads, draft_vocab_size)
