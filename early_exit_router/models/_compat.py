@@ -99,7 +99,7 @@ def crop_cache_layer(cache: DynamicCache, layer_idx: int, keep: int) -> None:
 def release_inference_tensors(cache: Any) -> None:
     """Make the tensors `cache`'s layers hold ordinary ones (copies), where decoding left inference tensors: those
     refuse autograd and in-place updates outside `torch.inference_mode`, which a caller's next step may need."""
-    if torch.is_inference_mode_enabled():  # the caller decodes on in inference mode: nothing to release
+    if torch.is_inference_mode_enabled():  # a caller in inference mode itself can use them as they are
         return
     for layer in getattr(cache, "layers", ()):
         for name, value in vars(layer).items():
