@@ -12,6 +12,7 @@ from early_exit_router.decode.loop import Decoder
 from early_exit_router.decode.sampling import TokenSelector
 from early_exit_router.decode.stats import GenerationStats, combined_stats
 from early_exit_router.decode.stopping import DecodeRequest
+from early_exit_router.models import _compat
 
 
 @dataclass
@@ -47,7 +48,7 @@ def run_to_end(
     depths = [row.depth[: len(out)] for row, out in zip(decoder.rows, outputs)]
     if b == 1 and bool(attention_mask.all()):
         row = decoder.rows[0]
-        logits = tuple(_released(t) for t in row.logits[: len(outputs[0])]) if request.output_logits else None
+        logits = tuple(_compat.released(t) for t in row.logits[: len(outputs[0])]) if request.output_logits else None
         return GenerationOutput(sequences, stats[0], logits, cache, depths[0])
     return GenerationOutput(sequences, combined_stats(stats), None, cache, depths, stats)
 
@@ -65,11 +66,6 @@ def run_rows_alone(
         rows.append(out.stats)
         depths.append(list(out.depths))
     return GenerationOutput(padded_sequences(input_ids, outputs, pad), combined_stats(rows), None, None, depths, rows)
-
-
-def _released(tensor: torch.Tensor) -> torch.Tensor:
-    """An ordinary copy of an inference tensor the decoder made (it would refuse autograd and in-place updates)."""
-    return tensor.clone() if tensor.is_inference() and not torch.is_inference_mode_enabled() else tensor
 
 
 def padded_sequences(input_ids: torch.Tensor, outputs: list[Any], pad_token_id: int) -> torch.Tensor:

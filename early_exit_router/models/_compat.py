@@ -96,15 +96,19 @@ def crop_cache_layer(cache: DynamicCache, layer_idx: int, keep: int) -> None:
         cache.layers[layer_idx].crop(-remove)
 
 
+def released(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or an ordinary copy of it where decoding made it an inference tensor: those refuse autograd and
+    in-place updates outside `torch.inference_mode`, which a caller's next step may need (a caller in inference mode
+    itself can use them as they are)."""
+    return tensor.clone() if tensor.is_inference() and not torch.is_inference_mode_enabled() else tensor
+
+
 def release_inference_tensors(cache: Any) -> None:
-    """Make the tensors `cache`'s layers hold ordinary ones (copies), where decoding left inference tensors: those
-    refuse autograd and in-place updates outside `torch.inference_mode`, which a caller's next step may need."""
-    if torch.is_inference_mode_enabled():  # a caller in inference mode itself can use them as they are
-        return
+    """Make the tensors `cache`'s layers hold `released` ones."""
     for layer in getattr(cache, "layers", ()):
-        for name, value in vars(layer).items():
-            if isinstance(value, torch.Tensor) and value.is_inference():
-                setattr(layer, name, value.clone())
+        for name, value in list(vars(layer).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(layer, name, released(value))
 
 
 def drop_last_positions(cache: DynamicCache, layer_idx: int, count: int) -> None:

@@ -411,13 +411,14 @@ def cost_model_for(stack: Any, heads: Any, draft_vocab_size: int, refresh: bool 
     key = cost_key(stack, draft_vocab_size)
     cached = None if refresh else load_cached(key)
     busy_before = cached.busy_measurements if cached is not None else 0
-    if cached is not None and not cached.problems() and not 0 < busy_before < BUSY_RETRIES:
+    wrong = cached is not None and bool(cached.problems())
+    if cached is not None and not wrong and not 0 < busy_before < BUSY_RETRIES:
         return cached
     path = cache_path(key)
     if cached is None:
         why = "as asked" if refresh else "once"
     else:
-        why = "again: the cached table " + ("looks wrong" if cached.problems() else "was measured beside other work")
+        why = "again: the cached table " + ("looks wrong" if wrong else "was measured beside other work")
     for attempt in range(tries):
         logger.warning(
             "early-exit-router: measuring this model's costs on %s (%s; cached at %s)",
