@@ -52,7 +52,7 @@ def test_bf16_greedy_follows_the_float32_head_product(mode):
     """Large logits make bf16 ties common (0.25 apart at 40): the router's choices are the float32 product's, and
     with precise_logits off HF bf16 greedy's."""
     ids, n, changed = prompt(3, length=8), 24, 0
-    for seed in range(4):
+    for seed in range(6):  # which seeds' rounding decides a token depends on the CPU's bf16 kernels
         model = tiny_llama(seed, dtype=torch.bfloat16, peaky=60.0)
         hf = model.generate(ids, max_new_tokens=n, do_sample=False)
         router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **NEVER_EXIT)

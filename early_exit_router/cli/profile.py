@@ -20,16 +20,27 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     profile.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
     profile.add_argument("--refresh", action="store_true", help="Measure again even when a cached table exists.")
     profile.add_argument("--json", action="store_true", help="Print the cost model as JSON.")
+    profile.add_argument(
+        "--long-context",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Also time a plain step at N cached positions, with the router's cache and with a concatenating one "
+        "(as plain HF generate keeps it).",
+    )
     add_load_options(profile)
     add_router_options(profile)
 
 
 def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.bench.long_context import measure_long_context_step
     from early_exit_router.bench.proposal_cost import measure_proposal_cost
     from early_exit_router.routing.ngram import Proposal
     from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy
 
+    if args.long_context < 0:
+        raise SystemExit("--long-context takes a number of cached positions, 1 or more (0: skip).")
     router = EarlyExitRouter.from_pretrained(args.model, warm_up=False, **load_options(args), **router_overrides(args))
     costs = router.costs(refresh=args.refresh)
     if args.json:
@@ -67,5 +78,12 @@ def run(args: argparse.Namespace) -> int:
             f"{cost.index_ms:.3f} ms per step, {cost.index_ms / costs.plain_step():.2%} of a plain step; with its "
             f"token tree {cost.tree_ms:.3f} ms, {cost.tree_ms / costs.plain_step():.2%} (scanning the context "
             f"instead: {cost.scan_ms:.2f} ms; indexing the prompt, once: {cost.build_ms:.0f} ms)"
+        )
+    if args.long_context:
+        step = measure_long_context_step(router.stack, args.long_context)
+        print(
+            f"A plain step at a context of {step.context:,} tokens: {step.growing_ms:.1f} ms with the router's cache, "
+            f"{step.concatenating_ms:.1f} ms with a concatenating one as plain HF generate keeps "
+            f"({step.concatenating_ms / step.growing_ms:.2f}x); same logits: {'yes' if step.same_logits else 'NO'}"
         )
     return 0

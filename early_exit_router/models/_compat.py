@@ -11,6 +11,8 @@
   padding without that trim (it reads the layer's `keys`, `values` and `cumulative_length`).
 * `generate()` and forward passes keep their cache under `cache` (model kwargs and output field) in newer 5.x
   releases, `past_key_values` before; the mask builders take `cache=` or `past_key_values=` likewise.
+* Cache layers: `GrowingLayer` is a `DynamicLayer` (its `update`, `crop`, `reset` and `keys`/`values` attributes)
+  whose states are views of buffers with room to grow.
 * Saved folders other releases read: 5.x writes RoPE settings only as `rope_parameters` and names its fast tokenizer
   `TokenizersBackend`, neither of which 4.x knows (`add_legacy_config_fields`, `portable_tokenizer_class`).
 """
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 import transformers
 from transformers import masking_utils
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 MIN_TRANSFORMERS = "5.20.0"
 
@@ -65,14 +67,90 @@ def layer_output_hidden(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are views of buffers with room to grow, so that appending copies only
+    the new positions where `DynamicLayer` concatenates (copies) the whole layer at every step.
+
+    Measured on a 2-core x86_64 CPU (float32, 3 key/value heads of 64, one new position), one layer's append and
+    attention took 101 us against 66 at 130 cached positions, 486 against 319 at 2,000 and 3.9 ms against 1.1 ms at
+    8,000; a step runs 30 layers. A buffer holds an eighth more positions than it was sized for, and 64, and grows
+    by copying into a larger one when full. A crop stays a view of the buffer, and the next append overwrites what
+    was cropped, as a full forward pass would have it. Anything else that replaces the states (rows joining or
+    leaving a batch) is noticed and adopted into a new buffer at the next append. With autograd recording it appends
+    as `DynamicLayer` does: writing into a buffer would change what an earlier step saved for the backward pass."""
+
+    ROOM = 64  # positions a buffer holds beyond its size and an eighth of it
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            self._buffers = None
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        total = held + key_states.shape[-2]
+        if not self._has_room(key_states, value_states, held, total):
+            self._buffers = tuple(
+                self._buffer_for(new, old, held, total)
+                for new, old in ((key_states, self.keys), (value_states, self.values))
+            )
+        keys, values = self._buffers
+        keys[:, :, held:total].copy_(key_states)  # (b, heads, capacity, dim): the new positions after the held ones
+        values[:, :, held:total].copy_(value_states)
+        self.keys, self.values = keys[:, :, :total], values[:, :, :total]
+        return self.keys, self.values
+
+    def _has_room(self, key_states: torch.Tensor, value_states: torch.Tensor, held: int, total: int) -> bool:
+        """Whether the buffers hold the layer's states as their first `held` positions and fit `total`."""
+        if self._buffers is None:
+            return False
+        if self._buffers[0].is_inference() and not torch.is_inference_mode_enabled():
+            return False  # outside inference mode an inference tensor takes no writes
+        for buffer, held_states, new in zip(self._buffers, (self.keys, self.values), (key_states, value_states)):
+            fits = buffer.shape[2] >= total and (buffer.shape[:2], buffer.shape[3]) == (new.shape[:2], new.shape[3])
+            same = (buffer.dtype, buffer.device) == (new.dtype, new.device)
+            start = (held_states.data_ptr(), held_states.stride())
+            view = held == 0 or start == (buffer.data_ptr(), buffer.stride())
+            if not (fits and same and view):
+                return False
+        return True
+
+    def _buffer_for(self, new: torch.Tensor, held_states: torch.Tensor, held: int, total: int) -> torch.Tensor:
+        """A buffer for `total` positions and room, holding the layer's `held` states first."""
+        b, heads, _, dim = new.shape
+        buffer = new.new_empty((b, heads, total + total // 8 + self.ROOM, dim))
+        if held:
+            buffer[:, :, :held].copy_(held_states)
+        return buffer
+
+    def release_room(self) -> None:
+        """Drop the buffers (the states stay): the next append copies the states into new ones."""
+        self._buffers = None
+
+    def reset(self) -> None:
+        self._buffers = None
+        super().reset()
+
+
 def new_cache(config: Any) -> DynamicCache:
-    """An empty dynamic cache laid out for `config` (sliding layers where the config has them)."""
-    return DynamicCache(config=config)
+    """An empty dynamic cache laid out for `config` (sliding layers where the config has them), its plain layers
+    `GrowingLayer`s."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 def new_block_cache() -> DynamicCache:
-    """An empty cache for one block adapter: plain growing layers, created as the block writes to them."""
-    return DynamicCache()
+    """An empty cache for one block adapter: `GrowingLayer`s, created as the block writes to them."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
+    return cache
 
 
 def prepare_for_rollback(cache: DynamicCache) -> None:
@@ -104,8 +182,10 @@ def released(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def release_inference_tensors(cache: Any) -> None:
-    """Make the tensors `cache`'s layers hold `released` ones."""
+    """Make the tensors `cache`'s layers hold `released` ones (compact copies: room to grow is dropped)."""
     for layer in getattr(cache, "layers", ()):
+        if isinstance(layer, GrowingLayer) and not torch.is_inference_mode_enabled():
+            layer.release_room()
         for name, value in list(vars(layer).items()):
             if isinstance(value, torch.Tensor):
                 setattr(layer, name, released(value))
@@ -209,7 +289,7 @@ def generate_output(sequences: torch.Tensor, scores: Any, logits: Any, cache: An
 def cache_rows_can_change(cache: Any) -> bool:
     """Whether rows can join, leave and be left-padded in `cache`: plain growing layers only (a sliding window keeps
     a rolling slice whose slots do not line up across rows)."""
-    return all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+    return all(type(layer) in (DynamicLayer, GrowingLayer) for layer in cache.layers)
 
 
 def _layers_with_states(cache: Any) -> list[Any]:
