@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -108,5 +109,12 @@ def test_generation_leaves_the_full_forward_cache_through_crops_and_growth():
 
 def test_long_context_step_gives_the_same_logits_with_either_cache():
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
-    step = measure_long_context_step(router.stack, context=600, steps=4)
+    step = measure_long_context_step(router.stack, context=400, steps=4)
     assert step.same_logits and step.growing_ms > 0 and step.concatenating_ms > 0
+
+
+@pytest.mark.parametrize("context", [0, 509])
+def test_long_context_outside_the_model_is_refused_clearly(context):
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])  # 512 positions
+    with pytest.raises(ValueError, match="1 to 508 cached positions"):
+        measure_long_context_step(router.stack, context=context, steps=4)

@@ -97,7 +97,8 @@ def kv_bytes_per_position(stack: Any) -> list[int]:
 
 
 def memory_budget(router: Any, context: int) -> MemoryBudget:
-    """The budget of `router`'s model for one sequence of `context` positions."""
+    """The budget of `router`'s model for one sequence of `context` positions (while it decodes, each cache layer
+    also keeps room for up to an eighth more positions and 64: `_compat.GrowingLayer`)."""
     stack, config = router.stack, router.config
     model = router.model
     base = tensor_bytes(list(model.parameters()) + list(model.buffers()))

@@ -80,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
             f"instead: {cost.scan_ms:.2f} ms; indexing the prompt, once: {cost.build_ms:.0f} ms)"
         )
     if args.long_context:
-        step = measure_long_context_step(router.stack, args.long_context)
+        try:
+            step = measure_long_context_step(router.stack, args.long_context)
+        except ValueError as err:
+            raise SystemExit(f"--long-context: {err}") from None
         print(
             f"A plain step at a context of {step.context:,} tokens: {step.growing_ms:.1f} ms with the router's cache, "
             f"{step.concatenating_ms:.1f} ms with a concatenating one as plain HF generate keeps "

@@ -71,10 +71,10 @@ class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are views of buffers with room to grow, so that appending copies only
     the new positions where `DynamicLayer` concatenates (copies) the whole layer at every step.
 
-    Measured on a 2-core x86_64 CPU (float32, 3 key/value heads of 64, one new position), one layer's append and
-    attention took 101 us against 66 at 130 cached positions, 486 against 319 at 2,000 and 3.9 ms against 1.1 ms at
-    8,000; a step runs 30 layers. A buffer holds an eighth more positions than it was sized for, and 64, and grows
-    by copying into a larger one when full. A crop stays a view of the buffer, and the next append overwrites what
+    That copy grows with the context: `early-exit-router profile --long-context 8000` timed SmolLM2's plain step at
+    169.7 ms with these layers against 207.4 with `DynamicLayer` (2-core AMD EPYC VM, float32, same logits). A
+    buffer holds an eighth more positions than it was sized for, and 64, and grows by copying into a larger one
+    when full. A crop stays a view of the buffer, and the next append overwrites what
     was cropped, as a full forward pass would have it. Anything else that replaces the states (rows joining or
     leaving a batch) is noticed and adopted into a new buffer at the next append. With autograd recording it appends
     as `DynamicLayer` does: writing into a buffer would change what an earlier step saved for the backward pass."""
