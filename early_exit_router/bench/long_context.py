@@ -33,10 +33,12 @@ class LongContextStep:
 def measure_long_context_step(stack: Any, context: int, steps: int = 24, seed: int = 0) -> LongContextStep:
     """Median plain step of `stack` at `context` cached positions of random tokens, with each cache."""
     limit = getattr(stack.config, "max_position_embeddings", None)
-    if context < 1 or (limit and context + steps > limit):
+    if context < 1:
+        raise ValueError(f"A long-context step needs 1 or more cached positions; got {context}.")
+    if limit and context + steps > limit:
         raise ValueError(
-            f"A long-context step needs 1 to {(limit or 0) - steps} cached positions on this model (it holds "
-            f"{limit} positions, and {steps} steps follow the context); got {context}."
+            f"A long-context step needs 1 to {limit - steps} cached positions on this model (it holds {limit} "
+            f"positions, and {steps} steps follow the context); got {context}."
         )
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, stack.vocab_size, (1, context + steps), generator=generator).to(stack.device)
