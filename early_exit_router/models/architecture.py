@@ -31,7 +31,8 @@ from early_exit_router.models.precise_logits import precise_top_logits, refines
 POSITION_STYLES = ("rotary_shared", "rotary_per_layer_type", "learned")
 # Inputs a family's decoder layer requires that the stack does not compute, and the config flag under which the layer
 # actually needs them. Without the flag they are passed as None (Falcon's rotary configs take `alibi=None`); with it
-# the family is refused, with the reason.
+# the family is refused, with the reason, also where a release computes the input elsewhere (transformers 5.25 folds
+# Falcon's ALiBi into the mask, which the stack builds without it).
 OPTIONAL_LAYER_INPUTS = {"alibi": "alibi"}
 MASK_RULES = ("full", "layer_types", "sliding_window_config")
 
@@ -174,19 +175,25 @@ class LayerStack:
         """The inputs the layers require but the stack does not compute (`OPTIONAL_LAYER_INPUTS`), as None; a config
         that needs one of them is refused."""
         known = {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache"}
+        for name, flag in OPTIONAL_LAYER_INPUTS.items():
+            if getattr(self.config, flag, False):
+                raise ValueError(self._unsupported_input(name, flag))
         absent = {}
         for name in _compat.required_layer_inputs(type(self.layers[0])):
             if name in known or name == self._cache_kwarg:
                 continue
             flag = OPTIONAL_LAYER_INPUTS.get(name)
-            if flag is None or getattr(self.config, flag, False):
-                raise ValueError(
-                    f"{type(self.model).__name__}'s decoder layers need `{name}`"
-                    + (f" (config.{flag} is set)" if flag else "")
-                    + ", which early-exit-router does not compute; this configuration is not supported."
-                )
+            if flag is None:
+                raise ValueError(self._unsupported_input(name, None))
             absent[name] = None
         return absent
+
+    def _unsupported_input(self, name: str, flag: str | None) -> str:
+        return (
+            f"{type(self.model).__name__}'s decoder layers need `{name}`"
+            + (f" (config.{flag} is set)" if flag else "")
+            + ", which early-exit-router does not compute; this configuration is not supported."
+        )
 
     def _mask_kind(self, layer_idx: int) -> str:
         rule = self.spec.mask_rule
