@@ -306,7 +306,7 @@ class EarlyExitRouter:
         costs = self.costs(config=cfg) if cfg.policy == "cost" else None
         pad = self.pad_token_id() if pad_token_id is None else pad_token_id
         return Decoder(self.stack, self.heads, ExitRule(cfg, self.stack.vocab_size), cfg, mode, costs=costs,
-                       store=self.ngram_store(), batch_design=design, pad_token_id=pad)  # fmt: skip
+                       store=self.ngram_store(cfg), batch_design=design, pad_token_id=pad)  # fmt: skip
 
     def batch_config(self, config: RouterConfig | None = None) -> RouterConfig | None:
         """The config a batch runs under (block exits sit out), or None when its rows must run one after another."""
@@ -522,9 +522,11 @@ class EarlyExitRouter:
         with self.lock:
             self._ngram_store = None
 
-    def ngram_store(self) -> SuffixStore | None:
-        """This router's store of earlier sequences for the n-gram tier (None when `ngram_store_tokens` is 0)."""
-        cfg = self.config
+    def ngram_store(self, config: RouterConfig | None = None) -> SuffixStore | None:
+        """This router's store of earlier sequences for the n-gram tier, as `config` (default: the router's) sizes it;
+        None where that config keeps no store (`ngram_store_tokens` 0, or the tier off): such a call neither reads
+        nor adds to it. A config that sizes it differently starts a new one."""
+        cfg = config or self.config
         if not cfg.ngram_tier or cfg.ngram_store_tokens <= 0:
             return None
         store = self._ngram_store

@@ -386,6 +386,24 @@ def test_the_store_drafts_across_calls_and_stays_exact():
     assert router.ngram_store() is None
 
 
+def test_a_calls_own_config_decides_whether_it_reads_and_adds_to_the_store():
+    model = tiny_llama(1)
+    ids = prompt(3, length=5)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], acceptance_prior=0.9, active_exit_layers=[])
+    router.cost_model = TINY["flat"]
+    router.generate(ids, max_new_tokens=24, mode="verify")
+    store = router.ngram_store()
+    held = store.num_tokens
+    apart = router.generate(ids, max_new_tokens=24, mode="verify", config={"ngram_store_tokens": 0})
+    assert router.ngram_store() is store and store.num_tokens == held  # not added to
+    copied = router.generate(ids, max_new_tokens=24, mode="verify")  # the same request, reading the store
+    assert apart.stats.exit_histogram.get(-1, 0) < copied.stats.exit_histogram.get(-1, 0)  # it did not read it
+    router.config = router.config.replace(ngram_tier=False)
+    assert router.ngram_store() is None
+    on = router.generate(ids, max_new_tokens=24, mode="verify", config={"ngram_tier": True})
+    assert on.stats.exit_histogram.get(-1, 0) >= 12  # it read the store the router keeps
+
+
 QUIRKY = TINY["quirky"]  # slow at 2-4 positions and 2-7 head rows, as this project's 2-core CPU measured
 
 

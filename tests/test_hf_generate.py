@@ -181,3 +181,52 @@ def test_a_padded_batch_sampling_in_verify_mode_is_routed_per_row():
     # one token left with probability 1 (top_k=1): the per-row sampling rule gives HF's greedy output
     greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(out, plain_generate(5, ids, attention_mask=mask, **greedy))
+
+
+def test_calls_the_router_cannot_serve_as_asked_run_plain_hf_generation():
+    """Embeddings in place of ids, hidden states or attentions asked for, and a mode the model's own generation
+    config sets (generate() fills a passed config's unset fields from it): plain HF runs them, as unpatched."""
+    model, plain = tiny_llama(4), tiny_llama(4)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    ids = prompt(4)
+    embeds = model.get_input_embeddings()(ids)
+    for kwargs in (
+        dict(inputs_embeds=embeds),
+        dict(inputs_embeds=embeds * 0.5, input_ids=ids),
+        dict(inputs=ids, return_dict_in_generate=True, output_hidden_states=True),
+        dict(inputs=ids, return_dict_in_generate=True, output_attentions=True),
+    ):
+        out = model.generate(max_new_tokens=5, do_sample=False, **kwargs)
+        want = plain.generate(max_new_tokens=5, do_sample=False, **kwargs)
+        assert router.last_stats is None, kwargs
+        if torch.is_tensor(out):
+            assert torch.equal(out, want)
+        else:
+            assert torch.equal(out.sequences, want.sequences) and len(out.hidden_states or out.attentions) == 5
+    for m in (model, plain):
+        m.generation_config.num_beams = 2
+    asked = GenerationConfig(max_new_tokens=8, do_sample=False)  # num_beams unset: the model's 2 applies
+    assert torch.equal(model.generate(ids, generation_config=asked), plain.generate(ids, generation_config=asked))
+    assert router.last_stats is None
+
+
+def test_stop_strings_passed_to_generate_are_matched_by_the_router():
+    """generate() hands a callable custom_generate no tokenizer, and would refuse stop strings without one: the
+    router matches them itself, routed or not, as `router.generate(stop_strings=...)` does."""
+    from .conftest import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, tokenizer, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)
+    ids = prompt(0)
+    free = router.generate(ids, max_new_tokens=12).sequences[0, ids.shape[1] :].tolist()
+    stop = tokenizer.decode(free[3:5])
+    want = router.generate(ids, max_new_tokens=12, stop_strings=[stop]).sequences
+    assert want.shape[1] == ids.shape[1] + 5
+    for passed in ({"tokenizer": tokenizer}, {}):  # the call's tokenizer, or the router's
+        routed = model.generate(ids, max_new_tokens=12, do_sample=False, stop_strings=[stop], **passed)
+        assert torch.equal(routed, want) and router.last_stats.new_tokens == 5
+    bare = tiny_llama(0)
+    EarlyExitRouter.from_model(bare, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)
+    with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
+        bare.generate(ids, max_new_tokens=12, do_sample=False, stop_strings=[stop])

@@ -15,7 +15,7 @@ from early_exit_router.decode.stopping import DecodeRequest
 from early_exit_router.decode.verify import accept_sampled
 from early_exit_router.routing.exit_rule import ExitRule
 
-from .conftest import CASCADE, VOCAB, tiny_costs, tiny_llama
+from .conftest import ALWAYS_EXIT, CASCADE, VOCAB, tiny_costs, tiny_llama
 from .test_batching import PAD, continuous, hf_batched_greedy
 
 PER_ROW = dict(CASCADE, ngram_tier=True, batch_design="per_row", ngram_store_tokens=0)
@@ -206,3 +206,44 @@ def test_sliding_window_models_fall_back_where_holes_would_shift_the_window():
     assert out.cache is not None  # the synchronous engine ran (its cache lines up with the output)
     point = router.generate(ids, 20, mode="verify", attention_mask=mask, do_sample=True, top_k=1, seed=0)
     assert torch.equal(point.sequences, hf_batched_greedy(model, ids, mask, 20))
+
+
+@pytest.mark.parametrize("config", [PER_ROW, ALWAYS_EXIT], ids=["per-row n-gram drafts", "synchronous exit drafts"])
+def test_a_row_cancelled_with_drafts_in_flight_leaves_the_other_rows_exact(config):
+    """A server cancels a request between any two steps, also while another row's drafts wait for their deep pass:
+    the padding the cancelled (longest) row leaves behind is dropped, and the other row decodes exactly as it does
+    where nothing is cancelled, its cache the full forward pass over its tokens."""
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    long_ids = torch.randint(2, VOCAB, (1, 25), generator=torch.Generator().manual_seed(3))
+    short_ids, _ = repetitive([17], 0)
+    ids = torch.full((2, 25), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    ids[0], mask[0] = long_ids[0], 1
+    ids[1, 8:], mask[1, 8:] = short_ids[0], 1
+
+    def decode(cancel: bool):
+        batch = router.decoder(mode="verify", batch=True, pad_token_id=PAD)
+        selector = TokenSelector(SamplingParams(), ids.device)
+        batch.prefill(ids, mask, [DecodeRequest(max_new_tokens=20)] * 2, [selector] * 2)
+        kept = batch.rows[1]
+        for _ in range(8):  # drafts within a few steps: copies of the repeating pattern, or every token's exit
+            batch.step()
+            if kept.drafts:
+                break
+        if cancel:
+            slots = batch.slots.length
+            batch.remove([batch.rows[0]])
+            assert batch.slots.length == slots - 8 and kept.drafts  # the padding left, the drafts still in flight
+        while not kept.done:
+            batch.step()
+        return kept.output(), batch
+
+    output, batch = decode(cancel=True)
+    assert output == decode(cancel=False)[0]
+    cached = batch.slots.length - 1
+    real = batch.slots.mask[0, :cached].bool()
+    with torch.no_grad():
+        full = model(batch.slots.seq[0, :cached][real][None], use_cache=True).past_key_values
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(batch.fill.cache.layers[layer].keys[0][:, real], full.layers[layer].keys[0])

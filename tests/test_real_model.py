@@ -92,6 +92,19 @@ def test_stop_strings_end_generation(smol):
     assert "Tuesday" in text and "Wednesday" not in text
 
 
+def test_a_stop_string_that_begins_in_the_prompt_stops_like_hf(smol):
+    """HF's StopStringCriteria matches over the whole input_ids: a stop string the first new token completes stops
+    there; one wholly in the prompt stops nothing."""
+    ids = smol.encode("one two three four five six seven eight nine ten. " * 2 + "one two three")
+    for stop, new in ((" three four", 1), (" nine ten.", 8)):  # begins in the prompt / in the prompt, then again
+        with smol.disabled() as plain:
+            ref = plain.generate(ids, max_new_tokens=12, do_sample=False, stop_strings=[stop], tokenizer=smol.tokenizer)
+        out = smol.generate(ids, max_new_tokens=12, mode="verify", stop_strings=[stop])
+        assert ref.shape[1] - ids.shape[1] == new and torch.equal(out.sequences, ref), stop
+        routed = smol.model.generate(ids, max_new_tokens=12, do_sample=False, stop_strings=[stop])  # patched
+        assert torch.equal(routed, ref) and smol.last_stats.new_tokens == new
+
+
 @pytest.mark.parametrize("mode", ["exit", "verify"])
 def test_a_stop_string_inside_an_ngram_draft_stops_like_hf(smol, mode):
     """The reported case: the n-gram tier drafted ' six seven' in one go and the stop string 'six' was missed."""

@@ -6,11 +6,14 @@ there (exit mode) or, in verify mode, right there once the draft is verified; pl
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.decode.stopping import DecodeRequest, ends_generation
 
 from .conftest import (
     NEVER_EXIT,
@@ -152,3 +155,27 @@ def test_eos_in_a_rejected_draft_does_not_stop_generation():
     out = ngram_router(model).generate(ids, max_new_tokens=30, mode="verify", eos_token_id=eos)
     assert torch.equal(out.sequences, ref)
     assert out.sequences.shape[1] == ids.shape[1] + 30
+
+
+def test_a_stop_string_may_begin_in_the_prompt_and_one_wholly_in_it_ends_nothing():
+    """As HF's StopStringCriteria matches (over the whole input_ids): a stop string counts once it ends in the newest
+    token, wherever it begins; found wholly in the prompt it stops nothing, and its next occurrence stops."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(0)
+    ids = looping_prompt()  # ... w41 w9 w5 w17
+    router = EarlyExitRouter.from_model(model, tokenizer, exit_layers=[1, 3], **NEVER_EXIT)
+    new = router.generate(ids, max_new_tokens=12, mode="verify").sequences[0, ids.shape[1] :].tolist()
+
+    def stopped(stop: str) -> list[int]:
+        out = router.generate(ids, max_new_tokens=12, mode="verify", stop_strings=[stop])
+        return out.sequences[0, ids.shape[1] :].tolist()
+
+    text = tokenizer.decode(new)
+    assert stopped(tokenizer.decode([17, new[0]])) == new[:1]  # begins with the prompt's last token
+    assert "w33 w41" not in text and stopped("w33 w41") == new  # only in the prompt
+    again = text.index("w41 w9")  # in the prompt and again in the output: that occurrence stops
+    assert stopped("w41 w9") == new[: text[:again].count(" ") + 2]  # the words before it, then its two
+    # The server's OpenAI `stop` looks at the completion's own text only.
+    completion_only = DecodeRequest(12, stop_strings=("w17 w36",), tokenizer=tokenizer, stop_strings_see_prompt=False)
+    assert not ends_generation(completion_only, [5, 17, 36], 2, lambda: ids)
+    assert ends_generation(dataclasses.replace(completion_only, stop_strings_see_prompt=True), [5, 17, 36], 2, None)

@@ -197,7 +197,9 @@ def _pad_front(decoder: Any, count: int) -> None:
 
 
 def remove(decoder: Any, rows: list[Any]) -> None:
-    """Drop `rows` (finished or cancelled) from every per-row tensor, then the padding every row left shares."""
+    """Drop `rows` (finished or cancelled) from every per-row tensor, then the padding every row left shares. Rows
+    may leave with drafts in flight (a cancelled request): what is keyed by slot (the cycle's first slot, each row's
+    drafts) moves with the dropped slots, so the next deep pass verifies the same drafts at the same positions."""
     keep = [k for k, row in enumerate(decoder.rows) if row not in rows]
     if len(keep) == len(decoder.rows):
         return
@@ -214,8 +216,11 @@ def remove(decoder: Any, rows: list[Any]) -> None:
         decoder.slots.drop_front(count)
         _compat.drop_cache_front(decoder.fill.cache, count)
         decoder.fill.deep_len -= count
+        if decoder.cycle is not None:
+            decoder.cycle.start -= count
         for row in decoder.rows:
             row.start -= count
+            row.drafts = {slot - count: draft for slot, draft in row.drafts.items()}
 
 
 def maybe_compact(decoder: Any) -> bool:

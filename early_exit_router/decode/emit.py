@@ -62,7 +62,7 @@ def append(
         if dec.cycle is None:  # outside a verify cycle a token is final at once
             row.final = len(row.tokens)
         if row.stop_at is None and ends_generation(
-            row.request, row.new_tokens, lambda r=r: row_ids(dec, r, end), scores
+            row.request, row.tokens, row.prompt_len, lambda r=r: row_ids(dec, r, end), scores
         ):
             row.stop_at = len(row.new_tokens)
     if dec.cycle is None:  # final at once: the quality target's token count (verified ones land in `deep.verify`)

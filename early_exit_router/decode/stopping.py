@@ -9,13 +9,14 @@ tokens at once, drafts in a verify cycle once the deep pass has judged them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-STOP_STRING_TAIL = 32  # new tokens decoded to look for a stop string ending at the newest one
+STOP_STRING_TAIL = 32  # tokens (prompt included) decoded to look for a stop string ending in the newest one
 
 
 @dataclass
@@ -29,29 +30,44 @@ class DecodeRequest:
     streamer: Any = None  # transformers BaseStreamer, or None
     tokenizer: Any = None  # needed for stop_strings
     output_logits: bool = False
+    # A stop string may begin in the prompt, as in HF's `generate`; the server's OpenAI `stop` looks at the
+    # completion's text only (False).
+    stop_strings_see_prompt: bool = True
 
 
 def ends_generation(
     request: DecodeRequest,
-    new_tokens: list[int],
+    tokens: list[int],
+    prompt_len: int,
     input_ids: Callable[[], torch.Tensor],
     scores: torch.Tensor | None = None,
 ) -> bool:
-    """Whether the newest of `new_tokens` ends generation. `input_ids` gives the (1, n) ids a stopping criterion
-    sees (built only when one is set); `scores` is the newest token's logits where they are kept."""
-    if len(new_tokens) >= request.max_new_tokens:
+    """Whether the newest of `tokens` (the prompt's, then the new ones) ends generation. `input_ids` gives the (1, n)
+    ids a stopping criterion sees (built only when one is set); `scores` is the newest token's logits where kept."""
+    new = len(tokens) - prompt_len
+    if new >= request.max_new_tokens:
         return True
-    if new_tokens and new_tokens[-1] in request.eos_token_ids:
+    if new and tokens[-1] in request.eos_token_ids:
         return True
-    if request.stop_strings:
-        tail = request.tokenizer.decode(new_tokens[-STOP_STRING_TAIL:])
-        if any(s in tail for s in request.stop_strings):
+    if request.stop_strings and new:
+        first = 0 if request.stop_strings_see_prompt else prompt_len
+        if _stop_string_ends_here(request, tokens[max(first, len(tokens) - STOP_STRING_TAIL) :]):
             return True
     if request.stopping_criteria is not None:
         done = request.stopping_criteria(input_ids(), scores)
         if bool(torch.as_tensor(done).any()):
             return True
     return False
+
+
+def _stop_string_ends_here(request: DecodeRequest, tail: list[int]) -> bool:
+    """Whether a stop string ends in the text of `tail`'s last token, as HF's `StopStringCriteria` matches: it may
+    begin in earlier tokens, the prompt's too, but one found wholly before the last token does not count (a stop
+    string in the prompt ends nothing; its next occurrence does)."""
+    text = request.tokenizer.decode(tail)
+    before = request.tokenizer.decode(tail[:-1])
+    shared = len(os.path.commonprefix([before, text]))  # text[shared:] is what the last token added
+    return any(text.find(s, max(0, shared - len(s) + 1)) >= 0 for s in request.stop_strings)
 
 
 class StreamFrontier:

@@ -15,7 +15,6 @@ user's own `custom_generate`, a cache to continue from) run plain HF generation,
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import time
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
 from early_exit_router.decode.output import GenerationOutput
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
@@ -32,6 +32,7 @@ from early_exit_router.decode.stopping import DecodeRequest
 from early_exit_router.models import _compat
 
 ROUTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+PLAIN_ONLY_INPUTS = ("inputs_embeds",)  # the router decodes from token ids: calls with these run plain HF
 ROUTER_ATTR = "_early_exit_router"  # back-reference, to refuse patching one model twice
 GENERATE_ATTR = "generate"  # instance attribute: model.generate() routes through the router
 
@@ -82,20 +83,33 @@ class RoutedGenerate:
         named = dict(bound.arguments)
         named.pop(next(iter(named)))  # self
         extra = named.pop("kwargs", {})
-        if not self._routable(named, extra):
+        config = self._routable(named, extra)
+        if config is None:
             return self._plain(model, **named, **extra)
         streamer = named.pop("streamer", None)  # a callable custom_generate never receives it: we stream
-        decode = functools.partial(_routed_decoding, self.router, streamer=streamer)
+        # generate() drops `tokenizer` on the way to a callable custom_generate, and would then refuse stop strings
+        # for want of one: the router matches them itself, as HF's StopStringCriteria does.
+        stops = tuple(config.stop_strings or ()) if not isinstance(config.stop_strings, str) else (config.stop_strings,)
+        tokenizer = extra.get("tokenizer") or self.router.tokenizer
+        if stops:
+            if tokenizer is None:
+                raise ValueError("stop_strings need a tokenizer: pass tokenizer= to generate(), or build the router "
+                                 "with one (EarlyExitRouter.from_model(model, tokenizer, ...)).")  # fmt: skip
+            extra["stop_strings"] = None  # the highest-priority setting: HF builds no criterion of its own
+        decode = functools.partial(_routed_decoding, self.router, streamer=streamer, stops=(stops, tokenizer))
         return self._plain(model, **named, custom_generate=decode, **extra)
 
-    def _routable(self, named: dict[str, Any], extra: dict[str, Any]) -> bool:
+    def _routable(self, named: dict[str, Any], extra: dict[str, Any]) -> Any:
+        """The call's generation config, merged as generate() merges it, where the router serves the call (else
+        None: plain HF generation runs it)."""
         if named.get("custom_generate") is not None or named.get("assistant_model") is not None:
-            return False
-        config = copy.deepcopy(named.get("generation_config") or self.router.model.generation_config)
-        config.update(**{k: v for k, v in extra.items() if hasattr(config, k)})
-        if (config.num_return_sequences or 1) > 1:
-            return False
-        return config.get_generation_mode() in ROUTED_MODES
+            return None
+        if any(extra.get(k) is not None for k in PLAIN_ONLY_INPUTS):
+            return None
+        config = _compat.merged_generation_config(self.router.model, named.get("generation_config"), extra)
+        if (config.num_return_sequences or 1) > 1 or config.output_hidden_states or config.output_attentions:
+            return None
+        return config if config.get_generation_mode() in ROUTED_MODES else None
 
 
 def _routed_decoding(
@@ -107,9 +121,11 @@ def _routed_decoding(
     generation_config: Any,
     synced_gpus: bool = False,
     streamer: Any = None,
+    stops: tuple[tuple[str, ...], Any] = ((), None),
     **model_kwargs: Any,
 ) -> Any:
-    """A decoding method with `GenerationMixin._sample`'s signature that runs the router's decoder."""
+    """A decoding method with `GenerationMixin._sample`'s signature that runs the router's decoder; `stops`: the
+    call's stop strings and the tokenizer to match them with."""
     mask = model_kwargs.get("attention_mask")
     cache = model_kwargs.get(_compat.GENERATE_CACHE_KWARG)
     continuing = cache is not None and cache.get_seq_length() > 0
@@ -121,6 +137,9 @@ def _routed_decoding(
     if continuing or synced_gpus or (batched and (want_scores or want_logits or streamer is not None)):
         if streamer is not None:  # generate() skipped the prompt's put: the streamer was ours to handle
             streamer.put(input_ids.cpu())
+        if stops[0]:
+            criterion = StopStringCriteria(tokenizer=stops[1], stop_strings=stops[0])
+            stopping_criteria = StoppingCriteriaList([*(stopping_criteria or ()), criterion])
         return type(model)._sample(
             model,
             input_ids,
@@ -135,9 +154,10 @@ def _routed_decoding(
     request = DecodeRequest(
         max_new_tokens=generation_config.max_length - input_ids.shape[1],
         eos_token_ids=frozenset(router.eos_token_ids(generation_config.eos_token_id)),
+        stop_strings=stops[0],
         stopping_criteria=stopping_criteria,
         streamer=streamer,
-        tokenizer=router.tokenizer,
+        tokenizer=stops[1],
         output_logits=want_scores or want_logits,
     )
     # HF's processors already hold the sampling warpers (temperature, top-k, top-p): no second set here

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 from collections.abc import Callable
@@ -183,8 +184,10 @@ def released(tensor: torch.Tensor) -> torch.Tensor:
 
 def release_inference_tensors(cache: Any) -> None:
     """Make the tensors `cache`'s layers hold `released` ones (compact copies: room to grow is dropped)."""
+    if torch.is_inference_mode_enabled():  # a caller in inference mode can use them, room and all
+        return
     for layer in getattr(cache, "layers", ()):
-        if isinstance(layer, GrowingLayer) and not torch.is_inference_mode_enabled():
+        if isinstance(layer, GrowingLayer):
             layer.release_room()
         for name, value in list(vars(layer).items()):
             if isinstance(value, torch.Tensor):
@@ -275,6 +278,20 @@ def forward_cache(output: Any) -> Any:
     if "cache" in getattr(output, "keys", dict)():
         return output["cache"]
     return getattr(output, "past_key_values", None)
+
+
+def merged_generation_config(model: Any, config: Any, kwargs: dict[str, Any]) -> Any:
+    """The generation config `model.generate(generation_config=config, **kwargs)` decodes under: a passed config's
+    unset fields filled from `model.generation_config`, then the kwargs, as generate() merges them (a copy)."""
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is not None:
+        try:
+            return prepare(config, **kwargs)[0]
+        except TypeError:  # a signature of another release: merge as below
+            pass
+    merged = copy.deepcopy(config or model.generation_config)
+    merged.update(**{k: v for k, v in kwargs.items() if hasattr(merged, k)})
+    return merged
 
 
 def generate_output(sequences: torch.Tensor, scores: Any, logits: Any, cache: Any) -> Any:

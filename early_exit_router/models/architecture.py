@@ -182,8 +182,7 @@ class LayerStack:
         for name in _compat.required_layer_inputs(type(self.layers[0])):
             if name in known or name == self._cache_kwarg:
                 continue
-            flag = OPTIONAL_LAYER_INPUTS.get(name)
-            if flag is None:
+            if name not in OPTIONAL_LAYER_INPUTS:
                 raise ValueError(self._unsupported_input(name, None))
             absent[name] = None
         return absent

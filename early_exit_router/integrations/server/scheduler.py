@@ -399,6 +399,7 @@ class Scheduler:
             stop_strings=job.stop,
             streamer=_JobStreamer(job, tracker, self),
             tokenizer=self.router.tokenizer,
+            stop_strings_see_prompt=False,  # OpenAI's `stop` ends the completion only where its own text has one
         )
 
     def _admit(self, job: Job, tracker: TextTracker | None = None, sent: list[int] | None = None) -> None:
