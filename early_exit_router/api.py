@@ -476,7 +476,8 @@ class EarlyExitRouter:
 
     def pad_token_id(self, eos_token_ids: Iterable[int] | None = None) -> int:
         """What finished rows of a batch are filled with: the tokenizer's or the model's pad token, else the
-        smallest EOS id (HF's fallback; default: this router's), else 0."""
+        smallest EOS id (default: this router's), else 0. (`model.generate` on a patched model fills them as HF
+        does: the generation config's pad id, else its first EOS id.)"""
         for candidate in (
             getattr(self.tokenizer, "pad_token_id", None),
             getattr(self._model.generation_config, "pad_token_id", None),

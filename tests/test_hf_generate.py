@@ -230,3 +230,36 @@ def test_stop_strings_passed_to_generate_are_matched_by_the_router():
     EarlyExitRouter.from_model(bare, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)
     with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
         bare.generate(ids, max_new_tokens=12, do_sample=False, stop_strings=[stop])
+
+
+def test_eos_and_the_padding_of_finished_rows_are_hfs():
+    """generate() stops at its config's EOS ids only (a tokenizer's EOS is not one) and fills finished rows of a
+    batch with its pad id, else its first EOS id, in the order given."""
+    from .conftest import tiny_tokenizer
+
+    plain, model = tiny_llama(0), tiny_llama(0)
+    tokenizer = tiny_tokenizer()
+    free = plain.generate(prompt(0), max_new_tokens=10, do_sample=False)[0, 6:].tolist()
+    tokenizer.eos_token = f"w{free[2]}"  # the tokenizer's EOS comes up early; the model's config has none
+    plain.generation_config.eos_token_id = model.generation_config.eos_token_id = None
+    router = EarlyExitRouter.from_model(model, tokenizer, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)
+    assert model.generate(prompt(0), max_new_tokens=10, do_sample=False)[0, 6:].tolist() == free
+    batch = torch.cat([prompt(5), prompt(6)])
+    ref = plain.generate(batch, max_new_tokens=10, do_sample=False)
+    first, second = ref[0, 6:].tolist(), ref[1, 6:].tolist()
+    early = next(t for t in first[1:5] if t not in second)  # ends row 0 only, a few tokens in
+    other = next(t for t in range(2, early) if t not in first and t not in second)  # a smaller EOS id
+    for eos in ([early, other], [other, early]):
+        want = plain.generate(batch, max_new_tokens=10, do_sample=False, eos_token_id=eos)
+        assert torch.equal(model.generate(batch, max_new_tokens=10, do_sample=False, eos_token_id=eos), want)
+        assert router.last_stats is not None
+
+
+def test_greedy_ignores_temperature_as_hf_does():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)
+    want = router.generate(prompt(0), 6).sequences
+    for temperature in (0.0, None):
+        assert torch.equal(router.generate(prompt(0), 6, temperature=temperature).sequences, want)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        router.generate(prompt(0), 6, do_sample=True, temperature=0.0)

@@ -24,7 +24,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
+        if self.temperature is None:  # HF's None: the default
+            object.__setattr__(self, "temperature", 1.0)
+        if self.do_sample and not self.temperature > 0:  # greedy ignores it, as HF's generate does
             raise ValueError(f"temperature must be > 0, got {self.temperature}; use do_sample=False for greedy.")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}.")

@@ -151,9 +151,15 @@ def _routed_decoding(
             **model_kwargs,
         )
     stack = router.stack
+    # generate() stops at the merged config's EOS ids only (never the tokenizer's), and fills finished rows with its
+    # pad id, else the first of them.
+    eos = generation_config.eos_token_id
+    eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    pad = generation_config.pad_token_id if isinstance(generation_config.pad_token_id, int) else None
+    pad = eos_ids[0] if pad is None and eos_ids else pad
     request = DecodeRequest(
         max_new_tokens=generation_config.max_length - input_ids.shape[1],
-        eos_token_ids=frozenset(router.eos_token_ids(generation_config.eos_token_id)),
+        eos_token_ids=frozenset(eos_ids),
         stop_strings=stops[0],
         stopping_criteria=stopping_criteria,
         streamer=streamer,
@@ -165,8 +171,7 @@ def _routed_decoding(
         SamplingParams(do_sample=bool(generation_config.do_sample)), stack.device, logits_processor
     )
     ids, mask = router.check_input_ids(input_ids, mask)
-    pad = generation_config.pad_token_id
-    out = router.decode(ids, mask, request, selector, mode=mode, pad_token_id=pad if isinstance(pad, int) else None)
+    out = router.decode(ids, mask, request, selector, mode=mode, pad_token_id=pad)
     router.last_stats = out.stats
     if not generation_config.return_dict_in_generate:
         return out.sequences
