@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from early_exit_router.config_checks import check_exit_layers, check_integers, check_unit_interval
+from early_exit_router.config_checks import check_booleans, check_exit_layers, check_integers, check_unit_interval
 
 MODES = ("exit", "verify")
 POLICIES = ("cost", "fixed")
@@ -409,6 +409,7 @@ class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayou
     """
 
     def __post_init__(self) -> None:
+        check_booleans(self)
         self._check_layout()
         self._check_cascade()
         self._check_drafting()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 
@@ -25,3 +26,11 @@ def check_integers(config: Any, lowest: dict[str, int]) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+
+
+def check_booleans(config: Any) -> None:
+    """Every field annotated `bool` must hold True or False (a JSON or form "false" would otherwise count as true)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.type in ("bool", bool) and not isinstance(value, bool):
+            raise ValueError(f"{f.name} must be true or false, got {value!r}.")

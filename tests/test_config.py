@@ -21,6 +21,8 @@ from early_exit_router import RouterConfig
         (dict(gate_threshold=2.0), "gate_threshold must be in"),
         (dict(exit_layers=[1, 3], exit_adapters={3: "mlp"}), "Unknown adapter 'mlp' for exit 3"),
         (dict(exit_layers=[1, 3], exit_adapters={2: "block"}), "not exit layers \\[1, 3\\]"),
+        (dict(ngram_tier="false"), "ngram_tier must be true or false, got 'false'"),  # a form's or a JSON string
+        (dict(use_gate=1), "use_gate must be true or false"),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(kwargs, message):

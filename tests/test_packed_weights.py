@@ -10,6 +10,7 @@ import gc
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from early_exit_router import EarlyExitRouter
@@ -301,3 +302,32 @@ def test_linears_that_read_one_input_run_one_product_and_each_gets_its_own_numbe
     assert not any("forward" in m.__dict__ for m in (q, k, v, other))
     mixed = nn.Linear(64, 8, bias=False).to(dtype)  # a member without a bias: packed alone
     assert PackedLinears([q, mixed], groups=[[q, mixed]])._entries[id(q)].group is None
+
+
+def test_another_thread_running_the_model_during_a_packed_call_takes_the_modules_own_forward(fp32_kernel):
+    """The swap is on the model's own modules: a thread that runs the model while the router's thread is inside
+    `active` (plain use beside a decoding server) gets the model's exact products and never the packed state."""
+    import threading
+
+    generator = torch.Generator().manual_seed(0)
+    linears = [nn.Linear(32, 48, bias=False) for _ in range(2)]  # one input: packed as one stacked weight
+    packed = PackedLinears(linears, groups=[linears])
+    x = torch.randn(1, 8, 32, generator=generator)  # 8 rows: every kernel serves them
+    seen = {}
+
+    def other_thread() -> None:
+        with torch.no_grad():  # grad mode is per thread
+            seen["out"] = [linear(x.clone()) for linear in linears]  # an input of its own
+
+    with torch.no_grad(), packed.active(linears):
+        ours = linears[0](x)
+        assert fp32_kernel  # this thread's product is the packed one
+        fp32_kernel.clear()
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        assert fp32_kernel == []  # the other thread ran no packed product
+        torch.testing.assert_close(linears[1](x), F.linear(x, linears[1].weight), atol=1e-5, rtol=0)
+    with torch.no_grad():
+        assert all(torch.equal(out, F.linear(x, lin.weight)) for out, lin in zip(seen["out"], linears))
+        torch.testing.assert_close(ours, F.linear(x, linears[0].weight), atol=1e-5, rtol=0)

@@ -151,10 +151,8 @@ def _routed_decoding(
             **model_kwargs,
         )
     stack = router.stack
-    # generate() stops at the merged config's EOS ids only (never the tokenizer's), and fills finished rows with its
-    # pad id, else the first of them.
-    eos = generation_config.eos_token_id
-    eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    # Finished rows are filled as generate() fills them: its pad id, else its first EOS id (in the order given).
+    eos_ids = router.eos_token_ids(generation_config.eos_token_id)
     pad = generation_config.pad_token_id if isinstance(generation_config.pad_token_id, int) else None
     pad = eos_ids[0] if pad is None and eos_ids else pad
     request = DecodeRequest(

@@ -8,26 +8,23 @@ once, ahead, runs faster. Measured on a 2-core x86_64 CPU (SmolLM2-135M's shapes
   ms from a weight reordered once, at every row count from 1 to 16, and the 49,152-row LM head 2.4-4.0 ms against
   1.4-2.1 ms. One packed copy serves every row count, and its products equal `F.linear`'s bitwise (both run
   oneDNN's kernel; only the reorder moves).
-- **float32**, whichever of two kernels is faster on the processor (measured once per process, `float32_kernel`):
-  MKL's packed GEMM, where a weight is packed for one row count and serves only that one (on a host with AMX, at 8
-  rows the LM head took 5.8 ms against 11.1, at 16 rows 7.0 against 13.7, weights streamed from memory as in a pass),
-  or oneDNN's reordered weights, one copy for every row count (on an AMD EPYC host the head took 3.9 ms at 8 rows
-  against MKL's 14.6 and `F.linear`'s 21.2). A plain step's single row runs from oneDNN's copy too where that is
-  measured faster than `F.linear` (there: the head 3.7 ms against 10.0), and keeps `F.linear` elsewhere; the engine
-  pads a pass to the cheapest measured chunk length (`costs.py`). The products agree with `F.linear` to float32
-  rounding, not bitwise, as a chunked forward already does with a one-position one (every bench output stayed
-  identical to greedy).
+- **float32**, whichever of two kernels is faster on the processor (measured once per process: `float32_kernel`, which
+  gives the measurements): MKL's packed GEMM, a weight packed for one row count and serving only that one, or oneDNN's
+  reordered weights, one copy for every row count, which also serves a plain step's single row where that is measured
+  faster than `F.linear`; the engine pads a pass to the cheapest measured chunk length (`costs.py`). The products agree
+  with `F.linear` to float32 rounding, not bitwise, as a chunked forward already does with a one-position one (every
+  bench output stayed identical to greedy).
 
-So the stack keeps packed copies of the linear weights it runs (the decoder layers' and the LM head's: as much
-memory again as those weights per packed row count) and, for the length of one of its own calls, points those
-`nn.Linear` modules' `forward` at them; a `finally` puts every `forward` back. The model itself never changes: its
-parameters, state_dict and plain HF `generate` are the base's. A weight changed in place (training,
+So the stack keeps packed copies of the linear weights it runs (the decoder layers' and the LM head's: as much memory
+again as those weights per packed row count) and, for the length of one of its own calls, points those `nn.Linear`
+modules' `forward` at them (for the calling thread only); a `finally` puts every `forward` back. The model itself never
+changes: its parameters, state_dict and plain HF `generate` are the base's. A weight changed in place (training,
 `load_state_dict`) is noticed by its version counter and packed again; anything a packed kernel does not serve
-(gradients, a non-contiguous input, another dtype, a row count not packed) takes the module's own `forward`. Each
-weight shape is checked against `F.linear` once before it is used. Linears that read one input (the architecture
-spec's `shared_input_linears`: a layer's query, key and value projections, its gate and up projections) are packed
-as one stacked weight, so one product serves them (`_Group`); a stacked shape is checked the same way, each member's
-columns against its own `F.linear`.
+(gradients, a non-contiguous input, another dtype, a row count not packed) takes the module's own `forward`. Each weight
+shape is checked against `F.linear` once before it is used. Linears that read one input (the architecture spec's
+`shared_input_linears`: a layer's query, key and value projections, its gate and up projections) are packed as one
+stacked weight, so one product serves them (`_Group`); a stacked shape is checked the same way, each member's columns
+against its own `F.linear`.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ import dataclasses
 import itertools
 import logging
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -153,11 +151,9 @@ _FLOAT32_CHOICE: list[PackedKernel | None] = []  # this process's measured choic
 
 def float32_kernel() -> PackedKernel | None:
     """The faster float32 kernel on this CPU, measured once per process at a pass's row count on weights streamed
-    from memory: MKL's packed GEMM or oneDNN's reordered weights (their speed depends on the processor: on a 2-core
-    AMD EPYC host oneDNN ran the 49,152 x 576 LM head at 8 rows in 3.9 ms against MKL's 14.6 and F.linear's 21.2).
-    A kernel whose one copy serves every row count also serves a plain step's single row where it is measured faster
-    there than `F.linear` (on that host the head took 3.7 ms against 10.0): its products then agree with the model's
-    own to float32 rounding, as a verify pass's already do."""
+    from memory (`_faster`): MKL's packed GEMM or oneDNN's reordered weights (on a 2-core AMD EPYC host oneDNN ran
+    the 49,152 x 576 LM head at 8 rows in 3.9 ms, MKL in 14.6, F.linear in 21.2). One whose copy serves every row
+    count serves a plain step's single row too where faster than `F.linear` (there: the head 3.7 ms against 10.0)."""
     if not _FLOAT32_CHOICE:
         usable = [k for k in FLOAT32_KERNELS if _available(k)]
         weights = _probe_weights() if usable else []  # one set for every probe: generating it costs as much as one
@@ -193,10 +189,7 @@ def _probe_weights() -> list[torch.Tensor]:
 
 
 def _probe_ms(
-    kernel: PackedKernel | None,
-    rows: int = PROBE_ROWS,
-    weights: list[torch.Tensor] | None = None,
-    packs: list[torch.Tensor] | None = None,
+    kernel: PackedKernel | None, rows: int = PROBE_ROWS, weights: list | None = None, packs: list | None = None
 ) -> float:
     """Median ms of one product over `rows` rows with `kernel` (None: `F.linear`), cycling through `weights`
     (`_probe_weights` where not given) packed as `packs` (packed here where not given)."""
@@ -260,6 +253,8 @@ class PackedLinears:
         # The latest stacked product, whose other members' columns the next calls with the same input take:
         # [group, input, input's version, output]; emptied when the scope ends.
         self._latest: list = [None, None, -1, None]
+        # The thread inside `active` (None: none): another thread running the model meanwhile takes its own forward.
+        self._owner: list[int | None] = [None]
         for group in groups:
             if any(id(m) in self._entries for m in group):  # a module joins one group only
                 continue
@@ -321,7 +316,7 @@ class PackedLinears:
         if not _checked([out_features], in_features, module.bias is not None, kernel, rows):
             return None
         packed = {r: kernel.pack(weight.detach(), r) for r in rows}
-        forward = _packed_forward(module, kernel, packed)
+        forward = _packed_forward(module, kernel, packed, owner=self._owner)
         return _Packed(module, kernel, packed, weight._version, weight.data_ptr(), forward)
 
     def _kernel_for_module(self, module: nn.Module) -> PackedKernel | None:
@@ -374,7 +369,7 @@ class PackedLinears:
                 group.packed,
                 w._version,
                 w.data_ptr(),
-                _packed_forward(m, kernel, group.packed, group, self._latest),
+                _packed_forward(m, kernel, group.packed, group, self._latest, self._owner),
                 group,
             )
             for m, w in zip(members, weights)
@@ -384,6 +379,7 @@ class PackedLinears:
     def active(self, modules: Iterable[nn.Module]) -> Iterator[None]:
         """Within the block, `modules` that have a packed copy run from it; every `forward` is put back after."""
         swapped: list[nn.Module] = []
+        outer, self._owner[0] = self._owner[0], threading.get_ident()
         try:
             for module in modules:
                 entry = self._entries.get(id(module))
@@ -401,6 +397,7 @@ class PackedLinears:
             for module in swapped:
                 module.__dict__.pop("forward", None)
             self._latest[:] = [None, None, -1, None]
+            self._owner[0] = outer
 
     def _repack(self, module: nn.Module, rows: tuple[int, ...]) -> _Packed | None:
         """The weight changed in place or moved since it was packed: pack it again (or stop packing it), with the
@@ -463,24 +460,29 @@ def _packed_forward(
     packed: dict[int, torch.Tensor],
     group: _Group | None = None,
     latest: list | None = None,
+    owner: list[int | None] | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """`module`'s forward from `packed`; in a `group`, its columns of the stacked product, which the group's first
-    call with an input computes and keeps in `latest` for the others."""
+    call with an input computes and keeps in `latest` for the others. Only the thread in `owner` uses it: another
+    one running the model meanwhile takes the module's own forward."""
     original = type(module).forward
     any_rows = next(iter(packed.items())) if kernel.any_rows else None
     # Looked up once: this runs for every linear of every step, where attribute lookups on the module and the
     # kernel cost as much as the checks. `_parameters` is what `module.weight` reads, without nn.Module's lookup.
-    parameters, product, dtype, min_rows, grad_enabled = (
+    parameters, product, dtype, min_rows, grad_enabled, thread = (
         module._parameters,
         kernel.product,
         kernel.dtype,
         kernel.min_rows,
         torch.is_grad_enabled,
+        threading.get_ident,
     )
     start, stop = group.bounds[group.members.index(module)] if group is not None else (0, 0)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if grad_enabled() or x.dtype != dtype or not x.is_contiguous() or x.device.type != "cpu":
+            return original(module, x)
+        if owner is not None and owner[0] is not None and owner[0] != thread():
             return original(module, x)
         rows = x.numel() // x.shape[-1]
         if rows < min_rows:
