@@ -26,7 +26,7 @@ from early_exit_router.decode.loop import Decoder
 from early_exit_router.decode.output import GenerationOutput, run_rows_alone, run_to_end
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stats import GenerationStats
-from early_exit_router.decode.stopping import DecodeRequest
+from early_exit_router.decode.stopping import DecodeRequest, as_stop_strings
 from early_exit_router.heads.checkpoint import (
     SavedRouter,
     base_identity,
@@ -376,7 +376,7 @@ class EarlyExitRouter:
         input_ids, attention_mask = self.check_input_ids(input_ids, attention_mask)
         check_length(input_ids.shape[1], max_new_tokens, self.context_length)
         params = SamplingParams(do_sample, temperature, top_k, top_p, seed)
-        stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings or ())
+        stop_strings = as_stop_strings(stop_strings)
         if stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: build the router with one.")
         eos = self.eos_token_ids(eos_token_id)

@@ -10,7 +10,7 @@ tokens at once, drafts in a verify cycle once the deep pass has judged them.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,11 @@ class DecodeRequest:
     # A stop string may begin in the prompt, as in HF's `generate`; the server's OpenAI `stop` looks at the
     # completion's text only (False).
     stop_strings_see_prompt: bool = True
+
+
+def as_stop_strings(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    """One stop string or several (HF's `stop_strings` takes either) as the tuple a `DecodeRequest` holds."""
+    return (value,) if isinstance(value, str) else tuple(value or ())
 
 
 def ends_generation(

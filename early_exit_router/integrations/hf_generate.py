@@ -28,7 +28,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList, Stop
 from early_exit_router.decode.output import GenerationOutput
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stats import plain_stats
-from early_exit_router.decode.stopping import DecodeRequest
+from early_exit_router.decode.stopping import DecodeRequest, as_stop_strings
 from early_exit_router.models import _compat
 
 ROUTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -89,7 +89,7 @@ class RoutedGenerate:
         streamer = named.pop("streamer", None)  # a callable custom_generate never receives it: we stream
         # generate() drops `tokenizer` on the way to a callable custom_generate, and would then refuse stop strings
         # for want of one: the router matches them itself, as HF's StopStringCriteria does.
-        stops = tuple(config.stop_strings or ()) if not isinstance(config.stop_strings, str) else (config.stop_strings,)
+        stops = as_stop_strings(config.stop_strings)
         tokenizer = extra.get("tokenizer") or self.router.tokenizer
         if stops:
             if tokenizer is None:

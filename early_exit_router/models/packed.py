@@ -316,7 +316,7 @@ class PackedLinears:
         if not _checked([out_features], in_features, module.bias is not None, kernel, rows):
             return None
         packed = {r: kernel.pack(weight.detach(), r) for r in rows}
-        forward = _packed_forward(module, kernel, packed, owner=self._owner)
+        forward = _packed_forward(module, kernel, packed, self._owner)
         return _Packed(module, kernel, packed, weight._version, weight.data_ptr(), forward)
 
     def _kernel_for_module(self, module: nn.Module) -> PackedKernel | None:
@@ -369,7 +369,7 @@ class PackedLinears:
                 group.packed,
                 w._version,
                 w.data_ptr(),
-                _packed_forward(m, kernel, group.packed, group, self._latest, self._owner),
+                _packed_forward(m, kernel, group.packed, self._owner, group, self._latest),
                 group,
             )
             for m, w in zip(members, weights)
@@ -458,9 +458,9 @@ def _packed_forward(
     module: nn.Linear,
     kernel: PackedKernel,
     packed: dict[int, torch.Tensor],
+    owner: list[int | None],
     group: _Group | None = None,
     latest: list | None = None,
-    owner: list[int | None] | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """`module`'s forward from `packed`; in a `group`, its columns of the stacked product, which the group's first
     call with an input computes and keeps in `latest` for the others. Only the thread in `owner` uses it: another
@@ -482,7 +482,7 @@ def _packed_forward(
     def forward(x: torch.Tensor) -> torch.Tensor:
         if grad_enabled() or x.dtype != dtype or not x.is_contiguous() or x.device.type != "cpu":
             return original(module, x)
-        if owner is not None and owner[0] is not None and owner[0] != thread():
+        if owner[0] != thread():  # another thread than the one inside `active`
             return original(module, x)
         rows = x.numel() // x.shape[-1]
         if rows < min_rows:
