@@ -246,4 +246,6 @@ def test_a_row_cancelled_with_drafts_in_flight_leaves_the_other_rows_exact(confi
     with torch.no_grad():
         full = model(batch.slots.seq[0, :cached][real][None], use_cache=True).past_key_values
     for layer in range(model.config.num_hidden_layers):
-        torch.testing.assert_close(batch.fill.cache.layers[layer].keys[0][:, real], full.layers[layer].keys[0])
+        mine, theirs = batch.fill.cache.layers[layer], full.layers[layer]
+        torch.testing.assert_close(mine.keys[0][:, real], theirs.keys[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(mine.values[0][:, real], theirs.values[0], atol=1e-5, rtol=0)
