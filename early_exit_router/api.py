@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -26,7 +25,7 @@ from early_exit_router.decode.loop import Decoder
 from early_exit_router.decode.output import GenerationOutput, run_rows_alone, run_to_end
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stats import GenerationStats
-from early_exit_router.decode.stopping import DecodeRequest, as_stop_strings
+from early_exit_router.decode.stopping import DecodeRequest, as_criteria, as_stop_strings
 from early_exit_router.heads.checkpoint import (
     SavedRouter,
     base_identity,
@@ -90,7 +89,7 @@ class EarlyExitRouter:
         # One decode step at a time per router: the n-gram store, the measured costs and `last_stats` are shared
         # by every call, so two threads calling `generate` are served one after the other, never interleaved
         # inside a step. Re-entrant, so a streamer may itself call `generate`.
-        self.lock = threading.RLock()
+        self.lock = hf_generate.RouterLock()
 
     # -------------------------------------------------------------------------------------------- construction
     @classmethod
@@ -363,9 +362,9 @@ class EarlyExitRouter:
         `input_ids` is a LongTensor (b, n) (left-padded, with `attention_mask`, for several rows), or a string when a
         tokenizer is attached. `config` sets this call's routing without touching `router.config`: a `RouterConfig`,
         or a mapping of fields to change (e.g. `{"high_conf_threshold": 0.8}`). `eos_token_id` defaults to the
-        model's generation config. `seed` makes sampling reproducible. Inside `disabled()`, this runs plain HF
-        generation (same arguments) and reports every token at full depth. Calls from several threads are served
-        one after another.
+        model's generation config. `seed` makes sampling reproducible. Stopping criteria see one row, (1, n), at each
+        final token (never a draft). Inside `disabled()`, this runs plain HF generation (same arguments) and reports
+        every token at full depth. Calls from several threads are served one after another.
         """
         if self._state == "unpatched":
             raise RuntimeError("This router was unpatched: build a new one with EarlyExitRouter.from_model(model).")
@@ -396,8 +395,8 @@ class EarlyExitRouter:
                 UserWarning,
                 stacklevel=2,
             )
-        request = DecodeRequest(max_new_tokens, frozenset(eos), stop_strings, stopping_criteria, streamer,
-                                self.tokenizer, output_logits)  # fmt: skip
+        request = DecodeRequest(max_new_tokens, frozenset(eos), stop_strings, as_criteria(stopping_criteria),
+                                streamer, self.tokenizer, output_logits)  # fmt: skip
         selector = TokenSelector(params, self.stack.device, logits_processor)
         return self.decode(input_ids, attention_mask, request, selector, cfg, mode)
 

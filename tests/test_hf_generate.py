@@ -8,6 +8,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from transformers.generation.streamers import BaseStreamer
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.integrations.hf_generate import _reads_the_batch
 
 from .conftest import MIXED, NEVER_EXIT, assert_cache_matches_full_forward, prompt, tiny_llama
 
@@ -255,3 +256,60 @@ def test_greedy_ignores_temperature_as_hf_does():
         assert torch.equal(router.generate(prompt(0), 6, temperature=temperature).sequences, want)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         router.generate(prompt(0), 6, do_sample=True, temperature=0.0)
+
+
+class StopRowsTogether(StoppingCriteria):
+    """A criterion that reads the whole batch, as HF hands it one: it stops every row once row 0 has made `n`
+    tokens after the prompt (lm-eval's keeps a flag per row index the same way)."""
+
+    def __init__(self, prompt_len: int, n: int) -> None:
+        self.prompt_len, self.n = prompt_len, n
+
+    def __call__(self, input_ids, scores, **kwargs):
+        assert input_ids.shape[0] == 2, "HF shows a criterion the whole batch"
+        return torch.full((2,), input_ids.shape[1] - self.prompt_len >= self.n)
+
+
+def test_calls_whose_processors_or_criteria_need_what_routing_changes_run_plain_hf(monkeypatch):
+    """Stateful processors (guidance's own cache), token healing (it needs the tokenizer custom_generate loses),
+    synced GPUs, and in a batch: a criterion or processor that reads the batch whole (or a row's index in it), or a
+    stop string without EOS (HF lets a stopped row run on)."""
+    from .conftest import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.pad_token = "<bos>"  # token healing pads
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, *args, **kwargs: None)  # one process
+    model, plain = tiny_llama(4), tiny_llama(4)
+    assert model.generation_config.eos_token_id is None
+    router = EarlyExitRouter.from_model(model, tokenizer, exit_layers=[1, 3], **MIXED)
+    ids, batch = prompt(4), torch.cat([prompt(5), prompt(6)])
+    allowed = [list(range(2, 40)), list(range(40, 90))]
+    calls = [
+        (ids, dict(guidance_scale=1.5)),
+        (ids, dict(token_healing=True, tokenizer=tokenizer)),
+        (ids, dict(synced_gpus=True)),
+        (batch, dict(stopping_criteria=StoppingCriteriaList([StopRowsTogether(6, 3)]))),
+        (batch, dict(prefix_allowed_tokens_fn=lambda row, ids: allowed[row])),
+    ]
+    for inputs, kwargs in calls:
+        router.last_stats = None
+        out = model.generate(inputs, max_new_tokens=8, do_sample=False, **kwargs)
+        assert router.last_stats is None, kwargs
+        assert torch.equal(out, plain.generate(inputs, max_new_tokens=8, do_sample=False, **kwargs)), kwargs
+    # (HF's StopStringCriteria cannot read the tiny tokenizer's vocabulary: the stop-without-EOS rule alone)
+    assert _reads_the_batch([], [], GenerationConfig(), ("w5",))
+    assert not _reads_the_batch([], [], GenerationConfig(eos_token_id=3), ("w5",))
+
+
+def test_eos_token_id_none_stops_at_no_eos_as_in_hf():
+    plain, model = tiny_llama(0), tiny_llama(0)
+    ids = prompt(1, 6)
+    free = plain.generate(ids, max_new_tokens=10, do_sample=False)[0, 6:].tolist()
+    for m in (plain, model):
+        m.generation_config.eos_token_id = free[3]
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)
+    for kwargs in (dict(), dict(eos_token_id=None)):
+        want = plain.generate(ids, max_new_tokens=10, do_sample=False, **kwargs)
+        assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False, **kwargs), want)
+        assert router.last_stats is not None
+    assert want.shape[1] == 16  # eos_token_id=None: no EOS, all ten tokens

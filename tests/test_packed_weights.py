@@ -215,6 +215,23 @@ def test_float32_packed_verify_passes_keep_greedy_output_and_the_cache_exact(fp3
     assert_cache_matches_full_forward(router.model, out.sequences, out.cache, atol=1e-5)
 
 
+def test_a_deep_copy_of_a_packed_model_packs_its_own_copied_weights(fp32_packed):
+    """Packed weights are opaque tensors that cannot be copied: a copy of the model (the router with it) packs the
+    copy's own weights again."""
+    import copy
+
+    router, calls = fp32_packed
+    twin = copy.deepcopy(router.model)
+    packed = twin._early_exit_router.stack.packed_weights
+    assert packed is not None and len(packed) == len(router.stack.packed_weights)
+    assert {id(e.module) for e in packed._entries.values()} <= {id(m) for m in twin.modules()}
+    ids = torch.tensor([[3, 17, 5, 9, 40, 41, 42, 3, 17, 5, 9, 40]])
+    config = {"max_pending": 7, "policy": "fixed"}
+    calls.clear()
+    out = twin._early_exit_router.generate(ids, 24, mode="verify", config=config)
+    assert 8 in calls and torch.equal(out.sequences, router.generate(ids, 24, mode="verify", config=config).sequences)
+
+
 @pytest.mark.parametrize("kind", ["block", "residual_block"])
 def test_a_block_adapters_layer_runs_from_packed_copies_of_its_own_weights(fp32_kernel, kind):
     model, ids = tiny_llama(0), torch.tensor([[3, 17, 5, 9, 40, 41, 42, 3, 17, 5, 9, 40]])

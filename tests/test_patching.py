@@ -179,3 +179,22 @@ def test_a_custom_gate_runs_before_the_head_and_can_veto_every_exit(model):
 def test_fresh_heads_are_never_marked_trained(model):
     router = EarlyExitRouter.from_model(model, config=RouterConfig(exit_layers=[1], heads_trained=True))
     assert router.config.heads_trained is False
+
+
+def test_a_deep_copy_of_a_patched_model_is_patched_by_a_router_of_its_own():
+    """TRL's reference models (and anyone's `copy.deepcopy(model)`) copy the model's `__dict__`, the router in it."""
+    import copy
+
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **MIXED)
+    ids = prompt(1)
+    before = model_fingerprint(model)
+    want = model.generate(ids, max_new_tokens=10, do_sample=False)
+    twin = copy.deepcopy(model)
+    other = twin._early_exit_router
+    assert other is not router and other.model is twin and other.lock is not router.lock
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(model.parameters(), twin.parameters()))
+    assert torch.equal(twin.generate(ids, max_new_tokens=10, do_sample=False), want) and other.last_stats is not None
+    other.unpatch()  # the copy's router undoes the copy's patch only
+    assert isinstance(model.generate, RoutedGenerate) and not isinstance(twin.generate, RoutedGenerate)
+    assert_same_model(before, model_fingerprint(model))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -122,8 +122,19 @@ def check_consistent(out, prompt_len: int, num_layers: int) -> None:
     assert out.stats.hit_rate == pytest.approx(sum(d != num_layers - 1 for d in out.depths) / new)
 
 
+# A criterion that stops at an n-gram draft, found once the pass that verifies it has cached a token after it: the
+# cache is cut back in the same cut as the refused draft (a sliding-window layer loses what a second cut needs).
+LATE_STOP = Scenario(
+    config=dict(exit_layers=[0], high_conf_threshold=0.25, low_conf_threshold=0.0, entropy_threshold=0.0,
+                block_size=1, max_pending=1, policy="cost", draft_vocab_size=0, ngram_tier=True,
+                ngram_unverified=False, acceptance_prior=0.3, probe_interval=0),
+    costs="flat", prompt=[1, 3, 3, 28, 2], max_new_tokens=9, eos_at=None, stop_after=6,
+)  # fmt: skip
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 @given(s=scenarios())
+@example(s=LATE_STOP)
 def test_verify_mode_equals_greedy_and_fills_the_cache_exactly(family, s):
     ref, out = run(family, s, "verify")
     assert out.sequences.tolist() == ref.tolist()

@@ -9,13 +9,15 @@ import torch
 from early_exit_router import EarlyExitRouter
 from early_exit_router.decode import batch as batching
 from early_exit_router.decode.drafters import NGRAM_LAYER
+from early_exit_router.decode.drafting import append_ngram
 from early_exit_router.decode.loop import Decoder
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stopping import DecodeRequest
 from early_exit_router.decode.verify import accept_sampled
 from early_exit_router.routing.exit_rule import ExitRule
+from early_exit_router.routing.ngram import Proposal
 
-from .conftest import ALWAYS_EXIT, CASCADE, VOCAB, tiny_costs, tiny_llama
+from .conftest import ALWAYS_EXIT, CASCADE, NEVER_EXIT, VOCAB, tiny_costs, tiny_llama
 from .test_batching import PAD, continuous, hf_batched_greedy
 
 PER_ROW = dict(CASCADE, ngram_tier=True, batch_design="per_row", ngram_store_tokens=0)
@@ -249,3 +251,34 @@ def test_a_row_cancelled_with_drafts_in_flight_leaves_the_other_rows_exact(confi
         mine, theirs = batch.fill.cache.layers[layer], full.layers[layer]
         torch.testing.assert_close(mine.keys[0][:, real], theirs.keys[0], atol=1e-5, rtol=0)
         torch.testing.assert_close(mine.values[0][:, real], theirs.values[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n", range(3, 12))
+def test_a_flush_where_one_row_keeps_every_draft_and_another_refuses_one_is_exact(n):
+    """Rows draft up to max_new_tokens, then the flush runs their drafts with no current token: a row that keeps them
+    all has ended, and the other row's next token lands where the cache ends (not one slot after it)."""
+    model = tiny_llama(1)
+    pattern = torch.tensor([[5, 17, 33, 41, 9] * 3 + [5, 17]])
+    ids = torch.cat([pattern, torch.roll(pattern, -3, dims=1)])
+    mask = torch.ones_like(ids)
+    reference = hf_batched_greedy(model, ids, mask, n)
+    config = {**NEVER_EXIT, "ngram_tier": True, "batch_design": "per_row", "ngram_min_size": 1}
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
+    assert torch.equal(router.generate(ids, n, mode="verify", attention_mask=mask).sequences, reference)
+
+
+def test_after_that_flush_nothing_waits_and_each_row_is_exact():
+    model = tiny_llama(0)
+    a, b = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))[:, None]
+    plain_a = model.generate(a, max_new_tokens=4, do_sample=False)[0, 6:].tolist()
+    plain_b = model.generate(b, max_new_tokens=3, do_sample=False)[0, 6:].tolist()
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **{**NEVER_EXIT, "batch_design": "per_row"})
+    decoder = router.decoder(mode="verify", batch=True)
+    selector = TokenSelector(SamplingParams(), router.stack.device)
+    ids = torch.cat([a, b])
+    decoder.prefill(ids, torch.ones_like(ids), [DecodeRequest(4), DecodeRequest(3)], [selector] * 2)
+    with torch.inference_mode():  # row 0 drafts its three right tokens; row 1 one right, one wrong: both at the end
+        append_ngram(decoder, [Proposal(plain_a[1:4], 3), Proposal([plain_b[1], (plain_b[2] + 1) % VOCAB], 2)])
+    decoder.step()  # the flush
+    assert decoder.pending == 0 and decoder.finished
+    assert decoder.rows[0].output() == plain_a and decoder.rows[1].output() == plain_b

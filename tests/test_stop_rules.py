@@ -14,11 +14,15 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from early_exit_router import EarlyExitRouter
 from early_exit_router.decode.stopping import DecodeRequest, ends_generation
+from early_exit_router.routing.costs import CostModel
 
 from .conftest import (
+    ALWAYS_EXIT,
+    MIXED,
     NEVER_EXIT,
     UNVERIFIED_NGRAM,
     assert_cache_matches_full_forward,
+    prompt,
     tiny_llama,
     tiny_tokenizer,
 )
@@ -179,3 +183,75 @@ def test_a_stop_string_may_begin_in_the_prompt_and_one_wholly_in_it_ends_nothing
     completion_only = DecodeRequest(12, stop_strings=("w17 w36",), tokenizer=tokenizer, stop_strings_see_prompt=False)
     assert not ends_generation(completion_only, [5, 17, 36], 2, lambda: ids)
     assert ends_generation(dataclasses.replace(completion_only, stop_strings_see_prompt=True), [5, 17, 36], 2, None)
+
+
+class Latching(StoppingCriteria):
+    """Keeps every ids it is shown, and once `token` has ended them it stops for good, as lm-eval's multi-token EOS
+    criterion keeps its state: shown a draft that is then refused, it would stop a sequence that never had `token`."""
+
+    def __init__(self, token: int = -1) -> None:
+        self.token, self.seen, self.hit = token, [], False
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(tuple(input_ids[0].tolist()))
+        self.hit = self.hit or int(input_ids[0, -1]) == self.token
+        return torch.full((input_ids.shape[0],), self.hit)
+
+
+def trees_router(model):
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], acceptance_prior=0.5, ngram_min_size=1)
+    router.cost_model = CostModel.synthetic(6, [1.0] * 16, [6.0] * 16, draft_head_ms=0.1)  # trees always pay
+    return router
+
+
+def copies_prompt() -> torch.Tensor:
+    """A pattern three times, different tokens after it: some of the n-gram tier's copies go wrong."""
+    pattern = prompt(1, length=4)
+    return torch.cat([pattern, prompt(11, length=3), pattern, prompt(21, length=3), pattern], dim=1)
+
+
+REFUSED_DRAFTS = {  # verify decodes whose drafts the deep pass partly refuses: (router, prompt)
+    "exit drafts": (lambda m: EarlyExitRouter.from_model(m, exit_layers=[1, 3], **MIXED), lambda: prompt(3, 8)),
+    "n-gram chains": (
+        lambda m: EarlyExitRouter.from_model(m, exit_layers=[1, 3], **{**NEVER_EXIT, "ngram_tier": True}),
+        copies_prompt,
+    ),
+    "n-gram trees": (trees_router, lambda: torch.randint(1, 5, (1, 48), generator=torch.Generator().manual_seed(0))),
+}
+
+
+@pytest.mark.parametrize("setup", list(REFUSED_DRAFTS))
+def test_stopping_criteria_see_each_final_token_once_in_order_and_never_a_refused_draft(setup):
+    make_router, make_prompt = REFUSED_DRAFTS[setup]
+    model, ids, n = tiny_llama(0), make_prompt(), 40
+    ref = reference(model, ids, n)  # before patching: on a patched model, generate() itself routes
+    token = ref[0, ids.shape[1] + 25].item()  # a latch on it stops plain decoding there
+    expected = reference(model, ids, n, stopping_criteria=StoppingCriteriaList([Latching(token)]))
+    assert expected.shape[1] < ref.shape[1]
+    router = make_router(model)
+    criteria = Latching()
+    out = router.generate(ids, max_new_tokens=n, mode="verify", stopping_criteria=StoppingCriteriaList([criteria]))
+    assert out.stats.rejected_drafts > 0
+    assert torch.equal(out.sequences, ref)
+    assert criteria.seen == [tuple(ref[0, : ids.shape[1] + k].tolist()) for k in range(1, n + 1)]
+    out = router.generate(ids, max_new_tokens=n, mode="verify", stopping_criteria=[Latching(token)])  # a plain list
+    assert torch.equal(out.sequences, expected)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+@pytest.mark.parametrize("design", ["per_row", "synchronous"])
+def test_stopping_criteria_in_a_batch_see_each_rows_final_tokens_once(design):
+    model, n = tiny_llama(1), 24
+    ids = torch.cat([torch.zeros(1, 4, dtype=torch.long), prompt(1, length=5), prompt(2, length=9)], dim=1)
+    ids = ids.reshape(2, 9)  # left-padded rows of 5 and 9 tokens
+    mask = (torch.arange(9) >= torch.tensor([[4], [0]])).long()
+    ref = reference(model, ids, n, attention_mask=mask, pad_token_id=0)
+    router = EarlyExitRouter.from_model(
+        model, exit_layers=[1, 3], **{**ALWAYS_EXIT, "ngram_tier": True, "batch_design": design}
+    )
+    criteria = Latching()
+    criteria_list = StoppingCriteriaList([criteria])
+    out = router.generate(ids, max_new_tokens=n, mode="verify", attention_mask=mask, stopping_criteria=criteria_list)
+    assert torch.equal(out.sequences, ref) and out.stats.rejected_drafts > 0
+    expected = [tuple(ref[r, : ids.shape[1] + k].tolist()) for r in range(2) for k in range(1, n + 1)]
+    assert sorted(criteria.seen) == sorted(expected)

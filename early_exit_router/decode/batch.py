@@ -129,9 +129,13 @@ class Slots:
     def row_ids(self, r: int, end: int, prompt_ids: torch.Tensor, start: int, new: list[int]) -> torch.Tensor:
         """(1, n) what HF's processors and stopping criteria see for row r up to slot `end`: its padded prompt and its
         generated tokens so far (holes skipped)."""
+        count = end - start if not self.holes else int(self.mask[r, start:end].sum())
+        return self.ids_through(r, count, prompt_ids, start, new)
+
+    def ids_through(self, r: int, count: int, prompt_ids: torch.Tensor, start: int, new: list[int]) -> torch.Tensor:
+        """(1, n) as `row_ids`, through row r's `count`-th generated token."""
         if not self.holes:
-            return self.seq[r : r + 1, :end]
-        count = int(self.mask[r, start:end].sum())
+            return self.seq[r : r + 1, : start + count]
         generated = torch.tensor([new[:count]], dtype=prompt_ids.dtype, device=prompt_ids.device)
         return torch.cat([prompt_ids, generated], dim=1)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from early_exit_router.decode import batch as batching
-from early_exit_router.decode.emit import append, choose, row_ids
+from early_exit_router.decode.emit import append, choose, make_final, row_ids, stop_slot
 from early_exit_router.decode.state import DecodeState, Row
 from early_exit_router.decode.verify import accept_greedy, accept_sampled, longest_prefix, shortest_prefix
 from early_exit_router.models import _compat
@@ -122,29 +122,26 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
     accepted = [sum(ok) for ok in verdicts]
     active = [not row.done for row in dec.rows]
     reach = longest_prefix(accepted, active) if dec.per_row else shortest_prefix(accepted, active, n)
+    kept_rows = [accepted[r] if dec.per_row else min(accepted[r], reach) for r in range(len(dec.rows))]
+    ids = [None if row.done else _next_token(pick, kept) for row, pick, kept in zip(dec.rows, picks, kept_rows)]
     keep = first + reach + 1  # slots whose KV stays
-    if reach < n:
-        dec.fill.rollback(keep)
+    if not has_current and reach == n and any(t is not None for t in ids):
+        # A flush feeds no current token, so its last draft (slot first + n) has no KV; only rows that kept every
+        # draft have a token there, and a flush runs once every row has stopped: they have ended. The slot goes, so
+        # the next token lands where the cache ends.
+        keep -= 1
+    rolled = keep < dec.slots.length  # the cache is cut once, below: a sliding-window layer's cut drops what a
+    if rolled:  # second one would need
         dec.slots.length = keep
     if any(a < c for a, c in zip(accepted, counts)):
         dec.rule.end_block(dec.routing)
-    ids: list[int | None] = []
-    kept_rows: list[int] = []
     for r, row in enumerate(dec.rows):
-        kept = accepted[r] if dec.per_row else min(accepted[r], reach)
-        kept_rows.append(kept)
         if row.done:
-            ids.append(None)
             continue
         _book(row, logits[r], counts[r], accepted[r])
-        row.drop(counts[r] - kept)
+        row.drop(counts[r] - kept_rows[r])
         if dec.per_row:
-            dec.slots.hole(r, first + kept + 1, keep)
-        pick = picks[r]
-        if isinstance(pick, list):  # greedy: the full model's choice after what the row kept
-            ids.append(pick[kept] if kept < len(pick) else None)
-        else:  # sampled: the rule's token (a batch that samples keeps each row's own prefix)
-            ids.append(pick)
+            dec.slots.hole(r, first + kept_rows[r] + 1, keep)
     _judge_proposals(dec, accepted, ids)
     verified = sum(kept + (t is not None) for kept, t, row in zip(kept_rows, ids, dec.rows) if not row.done)
     dec.routing.quality.add_tokens(0, verified)  # accepted drafts and the full model's token: they agree
@@ -155,11 +152,25 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
         append(dec, tokens, ids, dec.full_layer, logits[torch.arange(len(ids), device=device), rows])
     for row in dec.rows:
         row.drafts.clear()
-        row.final = len(row.tokens)
+    make_final(dec)
+    end = keep if rolled else dec.fill.deep_len
+    stop = stop_slot(dec)
+    if stop is not None and stop < end:  # a stop the criteria found inside what this pass cached
+        end, dec.slots.length = stop, stop + 1
+    if rolled or end < dec.fill.deep_len:
+        dec.fill.rollback(end)
     _compat.trim_sliding(dec.fill.cache)
     dec.cycle = None
     if dec.per_row:
         batching.maybe_compact(dec)
+
+
+def _next_token(pick: list[int] | int | None, kept: int) -> int | None:
+    """The token a row appends after its kept drafts: greedy, the full model's choice there (None past the last
+    prediction); sampled, the acceptance rule's token (a batch that samples keeps each row's own prefix)."""
+    if isinstance(pick, list):
+        return pick[kept] if kept < len(pick) else None
+    return pick
 
 
 def _judge_alternatives(dec: DecodeState, row: Row, slot: int, token: int) -> None:

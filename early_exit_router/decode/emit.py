@@ -1,7 +1,8 @@
 """Emitting tokens: each row's next token, one appended slot, and what becomes final.
 
-Every appended token is checked against the stop rules as it lands (`stopping.ends_generation`), drafts included; a
-row whose stop is final is done (`settle`): its streamer ends and its text goes to the n-gram store.
+Every appended token is checked against the stop rules as it lands (`stopping.ends_generation`), drafts included,
+the caller's stopping criteria once it is final (`make_final`); a row whose stop is final is done (`settle`): its
+streamer ends and its text goes to the n-gram store.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from early_exit_router.decode.state import DecodeState
-from early_exit_router.decode.stopping import ends_generation
+from early_exit_router.decode.stopping import criteria_stop, ends_generation
 
 
 def embed(dec: DecodeState, first: int, count: int = 1) -> torch.Tensor:
@@ -22,6 +23,12 @@ def row_ids(dec: DecodeState, r: int, end: int) -> torch.Tensor:
     """(1, n) row r's ids before slot `end`, as HF's processors and stopping criteria see them."""
     row = dec.rows[r]
     return dec.slots.row_ids(r, end, row.prompt_ids, row.start, row.new_tokens)
+
+
+def ids_through(dec: DecodeState, r: int, count: int) -> torch.Tensor:
+    """(1, n) row r's ids through its `count`-th new token, as `row_ids` gives them."""
+    row = dec.rows[r]
+    return dec.slots.ids_through(r, count, row.prompt_ids, row.start, row.new_tokens)
 
 
 def choose(dec: DecodeState, end: int, logits: torch.Tensor) -> torch.Tensor:
@@ -62,12 +69,33 @@ def append(
         if dec.cycle is None:  # outside a verify cycle a token is final at once
             row.final = len(row.tokens)
         if row.stop_at is None and ends_generation(
-            row.request, row.tokens, row.prompt_len, lambda r=r: row_ids(dec, r, end), scores
+            row.request, row.tokens, row.prompt_len, lambda r=r: row_ids(dec, r, end), scores, dec.cycle is None
         ):
             row.stop_at = len(row.new_tokens)
     if dec.cycle is None:  # final at once: the quality target's token count (verified ones land in `deep.verify`)
         early = layer != dec.full_layer
         dec.routing.quality.add_tokens(landed if early else 0, 0 if early else landed)
+
+
+def make_final(dec: DecodeState) -> None:
+    """Every row's tokens are final now (a deep pass has verified them): the caller's stopping criteria see each
+    newly final token once, in order, up to a stop, which then holds."""
+    for r, row in enumerate(dec.rows):
+        if not row.done and row.request.stopping_criteria is not None:
+            end = len(row.new_tokens) if row.stop_at is None else row.stop_at
+            for j in range(max(row.final - row.prompt_len, 0), end):
+                scores = row.logits[j] if j < len(row.logits) else None
+                if criteria_stop(row.request, lambda r=r, j=j: ids_through(dec, r, j + 1), scores):
+                    row.stop_at = j + 1
+                    break
+        row.final = len(row.tokens)
+
+
+def stop_slot(dec: DecodeState) -> int | None:
+    """A single sequence that has stopped: the slot of its last token, where a full pass over the output leaves the
+    cache ending (a pass may have cached tokens after it, as the criteria find a stop only once it is final)."""
+    row = dec.rows[0]
+    return row.start + row.stop_at - 1 if len(dec.rows) == 1 and row.stop_at is not None else None
 
 
 def settle(dec: DecodeState) -> None:

@@ -1,8 +1,10 @@
 """When a sequence ends, and which of its tokens may be shown: one rule for every decode.
 
 Every token is checked as it is appended, drafts included, as plain decoding checks every token: EOS, a stop string
-in the decoded tail, a stopping criterion, or max_new_tokens. A stop found in a draft is tentative: the row drafts no
-further, and the stop holds once the deep pass has verified that draft (a rejected draft takes its stop with it).
+in the decoded tail, or max_new_tokens. A stop found in a draft is tentative: the row drafts no further, and the stop
+holds once the deep pass has verified that draft (a rejected draft takes its stop with it). The caller's stopping
+criteria are opaque and may keep state (lm-eval's multi-token EOS criterion latches once it has seen its string), so
+they see each token once it is final, in order, and never a draft the deep pass may refuse.
 Streamers receive the prompt first, as HF's expect, then only final tokens (the streaming frontier): exit mode's
 tokens at once, drafts in a verify cycle once the deep pass has judged them.
 """
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import StoppingCriteriaList
 
 STOP_STRING_TAIL = 32  # tokens (prompt included) decoded to look for a stop string ending in the newest one
 
@@ -40,29 +43,40 @@ def as_stop_strings(value: str | Iterable[str] | None) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value or ())
 
 
+def as_criteria(value: Any) -> Any:
+    """The caller's stopping criteria as one callable: a plain list or tuple of criteria (HF's `generate` takes
+    either) becomes a `StoppingCriteriaList`; None or an empty one, None."""
+    if isinstance(value, (list, tuple)):
+        return StoppingCriteriaList(value) if value else None
+    return value
+
+
 def ends_generation(
     request: DecodeRequest,
     tokens: list[int],
     prompt_len: int,
     input_ids: Callable[[], torch.Tensor],
     scores: torch.Tensor | None = None,
+    final: bool = True,
 ) -> bool:
     """Whether the newest of `tokens` (the prompt's, then the new ones) ends generation. `input_ids` gives the (1, n)
-    ids a stopping criterion sees (built only when one is set); `scores` is the newest token's logits where kept."""
+    ids a stopping criterion sees (built only when one is set); `scores` is the newest token's logits where kept.
+    The stopping criteria run only on a `final` token (see the module docstring)."""
     new = len(tokens) - prompt_len
-    if new >= request.max_new_tokens:
-        return True
-    if new and tokens[-1] in request.eos_token_ids:
-        return True
-    if request.stop_strings and new:
+    ended = new >= request.max_new_tokens or (bool(new) and tokens[-1] in request.eos_token_ids)
+    if not ended and request.stop_strings and new:
         first = 0 if request.stop_strings_see_prompt else prompt_len
-        if _stop_string_ends_here(request, tokens[max(first, len(tokens) - STOP_STRING_TAIL) :]):
-            return True
-    if request.stopping_criteria is not None:
-        done = request.stopping_criteria(input_ids(), scores)
-        if bool(torch.as_tensor(done).any()):
-            return True
-    return False
+        ended = _stop_string_ends_here(request, tokens[max(first, len(tokens) - STOP_STRING_TAIL) :])
+    # The criteria see every final token, the one another rule stops at too, as HF's StoppingCriteriaList calls
+    # each of its criteria at every step.
+    return (final and criteria_stop(request, input_ids, scores)) or ended
+
+
+def criteria_stop(request: DecodeRequest, input_ids: Callable[[], torch.Tensor], scores: torch.Tensor | None) -> bool:
+    """Whether the caller's stopping criteria end generation at the newest of the (1, n) `input_ids()`."""
+    if request.stopping_criteria is None:
+        return False
+    return bool(torch.as_tensor(request.stopping_criteria(input_ids(), scores)).any())
 
 
 def _stop_string_ends_here(request: DecodeRequest, tail: list[int]) -> bool:

@@ -27,7 +27,7 @@ import torch
 
 from early_exit_router.decode.deep import head
 from early_exit_router.decode.drafters import NGRAM_LAYER
-from early_exit_router.decode.emit import append, row_ids
+from early_exit_router.decode.emit import append, make_final, row_ids
 from early_exit_router.decode.state import DecodeState, VerifyCycle
 from early_exit_router.models import _compat
 from early_exit_router.routing.policy import TierKey
@@ -208,7 +208,7 @@ def _keep_walked_path(
         dec.fill.blocks[i].push(states.index_select(1, rows), q, stack, dec.heads.adapter(dec.exits[i]))
     dec.fill.deep_len = q + 1 + len(kept)
     dec.routing.quality.add_tokens(0, appended)  # the full model's tokens, verified
-    row.final = len(row.tokens)
+    make_final(dec)
     dec.cycle = None
 
 

@@ -7,14 +7,16 @@ arguments, merges the `GenerationConfig`, builds the logits processors and stopp
 them to the router's decode loop through transformers' `custom_generate` callable extension point. Nothing new is
 added to `generate`'s keyword arguments.
 
-Batches (several sequences, left padding) run through the router's batch decoder, except per-step scores or logits
-and streamers, which run plain HF generation. Calls the router cannot serve (beam search, assisted generation, a
-user's own `custom_generate`, a cache to continue from) run plain HF generation, unchanged. The last call's
+Batches (several sequences, left padding) run through the router's batch decoder, except per-step scores or logits,
+streamers, and criteria or processors that read the batch whole (`_reads_the_batch`), which run plain HF generation.
+Calls the router cannot serve (beam search, assisted generation, a user's own `custom_generate`, a cache to continue
+from, stateful processors, token healing, synced GPUs) run plain HF generation, unchanged. The last call's
 `GenerationStats` is `router.last_stats`. `plain_generate` is what a router inside `disabled()` runs.
 """
 
 from __future__ import annotations
 
+import _thread
 import functools
 import inspect
 import time
@@ -23,7 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 
 from early_exit_router.decode.output import GenerationOutput
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
@@ -33,6 +42,8 @@ from early_exit_router.models import _compat
 
 ROUTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 PLAIN_ONLY_INPUTS = ("inputs_embeds",)  # the router decodes from token ids: calls with these run plain HF
+# HF's own criteria that judge each row by itself and keep no state: the router calls them row by row
+PER_ROW_CRITERIA = (MaxLengthCriteria, MaxTimeCriteria, EosTokenCriteria, StopStringCriteria)
 ROUTER_ATTR = "_early_exit_router"  # back-reference, to refuse patching one model twice
 GENERATE_ATTR = "generate"  # instance attribute: model.generate() routes through the router
 
@@ -67,6 +78,17 @@ def detach(model: nn.Module) -> None:
     model.__dict__.pop(ROUTER_ATTR, None)
     if isinstance(model.__dict__.get(GENERATE_ATTR), RoutedGenerate):
         del model.__dict__[GENERATE_ATTR]
+
+
+class RouterLock(_thread.RLock):
+    """The router's re-entrant lock. The patch makes the router part of the model's `__dict__`, so copying the
+    model (`copy.deepcopy`, as TRL's reference models do) copies the router too: a copy gets a lock of its own."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RouterLock:
+        return type(self)()
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return type(self), ()
 
 
 class RoutedGenerate:
@@ -106,8 +128,15 @@ class RoutedGenerate:
             return None
         if any(extra.get(k) is not None for k in PLAIN_ONLY_INPUTS):
             return None
+        if _compat.syncs_gpus(self.router.model, named.get("synced_gpus")):  # custom_generate never receives it
+            return None
         config = _compat.merged_generation_config(self.router.model, named.get("generation_config"), extra)
         if (config.num_return_sequences or 1) > 1 or config.output_hidden_states or config.output_attentions:
+            return None
+        # Processors that keep state across calls (classifier-free guidance's own cache, SynthID's context) must see
+        # each token once, which drafting does not do; token healing needs the tokenizer custom_generate loses.
+        stateful = config.guidance_scale not in (None, 1) or config.watermarking_config is not None
+        if stateful or config.token_healing:
             return None
         return config if config.get_generation_mode() in ROUTED_MODES else None
 
@@ -133,8 +162,11 @@ def _routed_decoding(
     mode = getattr(generation_config, "early_exit_mode", None) or router.config.mode
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
-    # The batch decoder returns no per-step scores; HF streamers take one row.
-    if continuing or synced_gpus or (batched and (want_scores or want_logits or streamer is not None)):
+    # The batch decoder returns no per-step scores; HF streamers take one row; a batch's rows decode at their own
+    # pace, so criteria and processors that read the whole batch at once (or a row's index in it) see it only in HF.
+    per_batch = batched and (want_scores or want_logits or streamer is not None or _reads_the_batch(
+        logits_processor, stopping_criteria, generation_config, stops[0]))  # fmt: skip
+    if continuing or per_batch:
         if streamer is not None:  # generate() skipped the prompt's put: the streamer was ours to handle
             streamer.put(input_ids.cpu())
         if stops[0]:
@@ -151,8 +183,10 @@ def _routed_decoding(
             **model_kwargs,
         )
     stack = router.stack
-    # Finished rows are filled as generate() fills them: its pad id, else its first EOS id (in the order given).
-    eos_ids = router.eos_token_ids(generation_config.eos_token_id)
+    # The merged config's EOS ids only (None: no EOS, as generate(eos_token_id=None) asks); finished rows are filled
+    # as generate() fills them: its pad id, else its first EOS id (in the order given).
+    eos = generation_config.eos_token_id
+    eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
     pad = generation_config.pad_token_id if isinstance(generation_config.pad_token_id, int) else None
     pad = eos_ids[0] if pad is None and eos_ids else pad
     request = DecodeRequest(
@@ -179,6 +213,18 @@ def _routed_decoding(
         scores = tuple(selector.scores(out.sequences[:, : prompt_len + i], row) for i, row in enumerate(out.logits))
     logits = tuple(out.logits) if want_logits and out.logits is not None else None
     return _compat.generate_output(out.sequences, scores, logits, out.cache)
+
+
+def _reads_the_batch(processors: Any, criteria: Any, config: Any, stop_strings: tuple[str, ...]) -> bool:
+    """Whether HF's processors or stopping criteria for a batch need it whole: a caller's own criterion (lm-eval's
+    keeps a flag per row of the batch), a processor that picks constraints by row index, or a stop without EOS
+    (HF then lets a stopped row run on with real tokens, where the router pads it)."""
+    if any(not isinstance(c, PER_ROW_CRITERIA) for c in criteria or ()):
+        return True
+    if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in processors or ()):
+        return True
+    no_eos = config.eos_token_id is None or config.eos_token_id == []
+    return no_eos and bool(stop_strings or any(isinstance(c, StopStringCriteria) for c in criteria or ()))
 
 
 def plain_generate(

@@ -294,6 +294,20 @@ def merged_generation_config(model: Any, config: Any, kwargs: dict[str, Any]) ->
     return merged
 
 
+def syncs_gpus(model: Any, synced_gpus: bool | None) -> bool:
+    """Whether `model.generate(synced_gpus=synced_gpus)` keeps several processes stepping together, as generate()
+    decides it (None: under DeepSpeed ZeRO-3 or FSDP with more than one process)."""
+    if synced_gpus is not None:
+        return bool(synced_gpus)
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return False
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    sharded = is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)
+    return bool(sharded) and torch.distributed.get_world_size() > 1
+
+
 def generate_output(sequences: torch.Tensor, scores: Any, logits: Any, cache: Any) -> Any:
     """HF's decoder-only generate output, with the cache under this release's field name."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput

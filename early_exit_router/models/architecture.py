@@ -9,6 +9,7 @@ shared cache, and apply the final norm and LM head. It calls the model's own mod
 
 from __future__ import annotations
 
+import copy
 import json
 import operator
 import weakref
@@ -146,6 +147,15 @@ class LayerStack:
         self._module_packs: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
         self._packing: tuple[bool, torch.device, torch.dtype] = (False, self.device, self.dtype)
         self._native_gqa: bool | None = None  # see `_attention`
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LayerStack:
+        """A copy (of a model copied whole, router and all) packs its copied weights again: packed weights are
+        opaque tensors that cannot be copied."""
+        copied = memo[id(self)] = object.__new__(type(self))
+        fresh = {"_module_packs": weakref.WeakKeyDictionary(), "_packed": None}  # `use_packed_weights` fills them
+        copied.__dict__.update({k: fresh[k] if k in fresh else copy.deepcopy(v, memo) for k, v in vars(self).items()})
+        copied.use_packed_weights(self._packing[0])
+        return copied
 
     def use_packed_weights(self, enabled: bool = True) -> str | None:
         """Run the layers' and the LM head's products from prepacked weights where that is faster (float32, and
