@@ -255,3 +255,18 @@ def test_stopping_criteria_in_a_batch_see_each_rows_final_tokens_once(design):
     assert torch.equal(out.sequences, ref) and out.stats.rejected_drafts > 0
     expected = [tuple(ref[r, : ids.shape[1] + k].tolist()) for r in range(2) for k in range(1, n + 1)]
     assert sorted(criteria.seen) == sorted(expected)
+
+
+def test_a_stop_string_longer_than_the_default_tail_still_stops():
+    """The decoded tail is long enough for the longest stop string, as HF's StopStringCriteria matches any length."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(3)
+    ids = prompt(2, length=8)
+    router = EarlyExitRouter.from_model(model, tokenizer, exit_layers=[1, 3], **NEVER_EXIT)
+    new = router.generate(ids, max_new_tokens=60, mode="verify").sequences[0, ids.shape[1] :].tolist()
+    stop = tokenizer.decode(new[10:50])  # 40 tokens of text
+    context = ids[0].tolist()
+    end = next(k for k in range(1, 61) if stop in tokenizer.decode(context + new[:k]))
+    assert end > 32
+    out = router.generate(ids, max_new_tokens=60, mode="verify", stop_strings=[stop])
+    assert out.sequences[0, ids.shape[1] :].tolist() == new[:end]

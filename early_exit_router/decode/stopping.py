@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from transformers import StoppingCriteriaList
 
-STOP_STRING_TAIL = 32  # tokens (prompt included) decoded to look for a stop string ending in the newest one
+# Tokens (prompt included) decoded to look for a stop string ending in the newest one: at least this many, and
+# enough for the longest stop string even where each token adds a single byte of a character (4 bytes at most).
+STOP_STRING_TAIL = 32
 
 
 @dataclass
@@ -66,7 +68,8 @@ def ends_generation(
     ended = new >= request.max_new_tokens or (bool(new) and tokens[-1] in request.eos_token_ids)
     if not ended and request.stop_strings and new:
         first = 0 if request.stop_strings_see_prompt else prompt_len
-        ended = _stop_string_ends_here(request, tokens[max(first, len(tokens) - STOP_STRING_TAIL) :])
+        tail = max(STOP_STRING_TAIL, 4 * max(map(len, request.stop_strings)) + 1)
+        ended = _stop_string_ends_here(request, tokens[max(first, len(tokens) - tail) :])
     # The criteria see every final token, the one another rule stops at too, as HF's StoppingCriteriaList calls
     # each of its criteria at every step.
     return (final and criteria_stop(request, input_ids, scores)) or ended
