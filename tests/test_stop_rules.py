@@ -231,7 +231,7 @@ def test_stopping_criteria_see_each_final_token_once_in_order_and_never_a_refuse
     router = make_router(model)
     criteria = Latching()
     out = router.generate(ids, max_new_tokens=n, mode="verify", stopping_criteria=StoppingCriteriaList([criteria]))
-    assert out.stats.rejected_drafts > 0
+    assert out.stats.rejected_drafts > 0 and (setup != "n-gram trees" or out.stats.policy_cycles.get("tree", 0) > 0)
     assert torch.equal(out.sequences, ref)
     assert criteria.seen == [tuple(ref[0, : ids.shape[1] + k].tolist()) for k in range(1, n + 1)]
     out = router.generate(ids, max_new_tokens=n, mode="verify", stopping_criteria=[Latching(token)])  # a plain list
