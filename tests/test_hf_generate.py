@@ -297,8 +297,8 @@ def test_calls_whose_processors_or_criteria_need_what_routing_changes_run_plain_
         assert router.last_stats is None, kwargs
         assert torch.equal(out, plain.generate(inputs, max_new_tokens=8, do_sample=False, **kwargs)), kwargs
     # (HF's StopStringCriteria cannot read the tiny tokenizer's vocabulary: the stop-without-EOS rule alone)
-    assert _reads_the_batch([], [], GenerationConfig(), ("w5",))
-    assert not _reads_the_batch([], [], GenerationConfig(eos_token_id=3), ("w5",))
+    assert _reads_the_batch([], [], [], ("w5",))
+    assert not _reads_the_batch([], [], [3], ("w5",))
 
 
 def test_eos_token_id_none_stops_at_no_eos_as_in_hf():

@@ -130,8 +130,10 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
         # draft have a token there, and a flush runs once every row has stopped: they have ended. The slot goes, so
         # the next token lands where the cache ends.
         keep -= 1
-    rolled = keep < dec.slots.length  # the cache is cut once, below: a sliding-window layer's cut drops what a
-    if rolled:  # second one would need
+    # The cache is cut once, below, after the criteria have had their say: a sliding-window layer's cut drops states
+    # a second cut would need.
+    rolled = keep < dec.slots.length
+    if rolled:
         dec.slots.length = keep
     if any(a < c for a, c in zip(accepted, counts)):
         dec.rule.end_block(dec.routing)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -38,6 +39,18 @@ class DecodeRequest:
     # A stop string may begin in the prompt, as in HF's `generate`; the server's OpenAI `stop` looks at the
     # completion's text only (False).
     stop_strings_see_prompt: bool = True
+
+    @cached_property
+    def stop_string_tail(self) -> int:
+        """How many of the newest tokens are decoded to look for a stop string (see STOP_STRING_TAIL)."""
+        return max(STOP_STRING_TAIL, 4 * max(map(len, self.stop_strings), default=0) + 1)
+
+
+def as_eos_ids(value: int | Iterable[int] | None) -> list[int]:
+    """One EOS id or several (HF's `eos_token_id` takes either; None: none) as a list of ints."""
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(e) for e in value]
 
 
 def as_stop_strings(value: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -68,8 +81,7 @@ def ends_generation(
     ended = new >= request.max_new_tokens or (bool(new) and tokens[-1] in request.eos_token_ids)
     if not ended and request.stop_strings and new:
         first = 0 if request.stop_strings_see_prompt else prompt_len
-        tail = max(STOP_STRING_TAIL, 4 * max(map(len, request.stop_strings)) + 1)
-        ended = _stop_string_ends_here(request, tokens[max(first, len(tokens) - tail) :])
+        ended = _stop_string_ends_here(request, tokens[max(first, len(tokens) - request.stop_string_tail) :])
     # The criteria see every final token, the one another rule stops at too, as HF's StoppingCriteriaList calls
     # each of its criteria at every step.
     return (final and criteria_stop(request, input_ids, scores)) or ended

@@ -37,7 +37,7 @@ from transformers.generation.stopping_criteria import (
 from early_exit_router.decode.output import GenerationOutput
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stats import plain_stats
-from early_exit_router.decode.stopping import DecodeRequest, as_stop_strings
+from early_exit_router.decode.stopping import DecodeRequest, as_eos_ids, as_stop_strings
 from early_exit_router.models import _compat
 
 ROUTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -162,10 +162,12 @@ def _routed_decoding(
     mode = getattr(generation_config, "early_exit_mode", None) or router.config.mode
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+    # The merged config's EOS ids only (None: no EOS, as generate(eos_token_id=None) asks).
+    eos_ids = as_eos_ids(generation_config.eos_token_id)
     # The batch decoder returns no per-step scores; HF streamers take one row; a batch's rows decode at their own
     # pace, so criteria and processors that read the whole batch at once (or a row's index in it) see it only in HF.
     per_batch = batched and (want_scores or want_logits or streamer is not None or _reads_the_batch(
-        logits_processor, stopping_criteria, generation_config, stops[0]))  # fmt: skip
+        logits_processor, stopping_criteria, eos_ids, stops[0]))  # fmt: skip
     if continuing or per_batch:
         if streamer is not None:  # generate() skipped the prompt's put: the streamer was ours to handle
             streamer.put(input_ids.cpu())
@@ -183,10 +185,7 @@ def _routed_decoding(
             **model_kwargs,
         )
     stack = router.stack
-    # The merged config's EOS ids only (None: no EOS, as generate(eos_token_id=None) asks); finished rows are filled
-    # as generate() fills them: its pad id, else its first EOS id (in the order given).
-    eos = generation_config.eos_token_id
-    eos_ids = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    # Finished rows are filled as generate() fills them: its pad id, else its first EOS id (in the order given).
     pad = generation_config.pad_token_id if isinstance(generation_config.pad_token_id, int) else None
     pad = eos_ids[0] if pad is None and eos_ids else pad
     request = DecodeRequest(
@@ -215,7 +214,7 @@ def _routed_decoding(
     return _compat.generate_output(out.sequences, scores, logits, out.cache)
 
 
-def _reads_the_batch(processors: Any, criteria: Any, config: Any, stop_strings: tuple[str, ...]) -> bool:
+def _reads_the_batch(processors: Any, criteria: Any, eos_ids: list[int], stop_strings: tuple[str, ...]) -> bool:
     """Whether HF's processors or stopping criteria for a batch need it whole: a caller's own criterion (lm-eval's
     keeps a flag per row of the batch), a processor that picks constraints by row index, or a stop without EOS
     (HF then lets a stopped row run on with real tokens, where the router pads it)."""
@@ -223,8 +222,7 @@ def _reads_the_batch(processors: Any, criteria: Any, config: Any, stop_strings: 
         return True
     if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in processors or ()):
         return True
-    no_eos = config.eos_token_id is None or config.eos_token_id == []
-    return no_eos and bool(stop_strings or any(isinstance(c, StopStringCriteria) for c in criteria or ()))
+    return not eos_ids and bool(stop_strings or any(isinstance(c, StopStringCriteria) for c in criteria or ()))
 
 
 def plain_generate(
