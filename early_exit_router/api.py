@@ -363,8 +363,9 @@ class EarlyExitRouter:
         tokenizer is attached. `config` sets this call's routing without touching `router.config`: a `RouterConfig`,
         or a mapping of fields to change (e.g. `{"high_conf_threshold": 0.8}`). `eos_token_id` defaults to the
         model's generation config. `seed` makes sampling reproducible. Stopping criteria see one row, (1, n), at each
-        final token (never a draft). Inside `disabled()`, this runs plain HF generation (same arguments) and reports
-        every token at full depth. Calls from several threads are served one after another.
+        final token (never a draft), with the processed scores it was chosen from, as HF hands them. Inside
+        `disabled()`, this runs plain HF generation (same arguments) and reports every token at full depth. Calls
+        from several threads are served one after another.
         """
         if self._state == "unpatched":
             raise RuntimeError("This router was unpatched: build a new one with EarlyExitRouter.from_model(model).")
@@ -420,8 +421,8 @@ class EarlyExitRouter:
         if batched and (request.streamer is not None or request.output_logits):
             raise ValueError("Streamers and output_logits take one sequence: generate the batch row by row for them.")
         if batched and not self.can_batch(cfg, mode, selector.params.do_sample):
-            alone = functools.partial(self.decode, request=request, selector=selector, config=cfg, mode=mode)
-            return run_rows_alone(alone, input_ids, attention_mask, pad)
+            alone = functools.partial(self.decode, config=cfg, mode=mode)
+            return run_rows_alone(alone, input_ids, attention_mask, pad, request, selector)
         with self.lock:
             decoder = self.decoder(cfg, mode, batch=batched, sampling=selector.params.do_sample, pad_token_id=pad)
             return run_to_end(decoder, input_ids, attention_mask, request, selector)

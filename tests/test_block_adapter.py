@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from early_exit_router import EarlyExitRouter
 from early_exit_router.decode.output import run_to_end
@@ -134,6 +135,46 @@ def test_a_padded_batch_with_block_adapters_runs_each_row_alone():
     for r, row in enumerate(rows):
         alone = router.generate(row[None], max_new_tokens=12, mode="exit")
         assert batch.sequences[r, width:].tolist() == alone.sequences[0, len(row) :].tolist()
+
+
+class ForceAtLengths(LogitsProcessor):
+    """Pushes token (7 * length) % vocab at every third length of the ids it sees: what it does depends on their
+    length, left padding included."""
+
+    def __call__(self, input_ids, scores):
+        n = input_ids.shape[-1]
+        if n % 3:
+            return scores
+        scores = scores.clone()
+        scores[:, 7 * n % scores.shape[-1]] += 1000.0
+        return scores
+
+
+class StopAtLength(StoppingCriteria):
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[-1] >= self.length, dtype=torch.bool)
+
+
+def test_rows_run_alone_show_processors_and_criteria_their_padding_as_hf_does():
+    """Rows decoded one after another drop their left padding for the model, but the caller's processors and
+    stopping criteria see the padded row, as in HF's batch: verify mode equals HF's batched greedy."""
+    model = tiny_llama(0)
+    router = block_router(model)
+    rows = [prompt(0, 8)[0], prompt(1, 4)[0]]
+    width = max(len(r) for r in rows)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(r)), torch.ones(len(r))]).long() for r in rows])
+    assert not router.can_batch()
+    kwargs = dict(logits_processor=LogitsProcessorList([ForceAtLengths()]), attention_mask=mask)
+    criteria = StoppingCriteriaList([StopAtLength(width + 10)])
+    out = router.generate(ids, 16, mode="verify", stopping_criteria=criteria, **kwargs)
+    want = tiny_llama(0).generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0, stopping_criteria=criteria,
+                                  **kwargs)  # fmt: skip
+    assert want.shape[1] == width + 10  # the criterion stopped both rows at the padded length
+    assert torch.equal(out.sequences, want)
 
 
 def test_a_residual_block_starts_as_exactly_its_postnorm_head():

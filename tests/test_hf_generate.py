@@ -87,18 +87,23 @@ def test_processors_stopping_criteria_streamer_and_dict_output_work_as_in_hf():
         output_logits=True,
     )
     streamer = Collect()
-    out = model.generate(ids, stopping_criteria=StoppingCriteriaList([StopAfter()]), streamer=streamer, **kwargs)
-    plain = plain_generate(3, ids, stopping_criteria=StoppingCriteriaList([StopAfter()]), **kwargs)
+    criteria = StoppingCriteriaList([StopAfter()])
+    plain = plain_generate(3, ids, stopping_criteria=criteria, **kwargs)
+    out = model.generate(ids, stopping_criteria=criteria, streamer=streamer, **{**kwargs, "output_scores": False})
+    assert router.last_stats.drafts_judged > 0  # drafts were proposed and verified on the way
     assert torch.equal(out.sequences, plain.sequences)
     assert out.sequences.shape[1] == ids.shape[1] + 9 and banned not in out.sequences[0, ids.shape[1] :].tolist()
-    assert router.last_stats.drafts_judged > 0  # drafts were proposed and verified on the way
+    assert streamer.puts[0] == ids[0].tolist() and streamer.ended
+    assert sum(streamer.puts[1:], []) == out.sequences[0, ids.shape[1] :].tolist()
+    router.last_stats = None
+    out = model.generate(ids, **{**kwargs, "max_new_tokens": 9})  # per-step scores: with HF's own criteria only
+    assert router.last_stats.drafts_judged > 0
+    assert torch.equal(out.sequences, plain.sequences)
     assert len(out.scores) == len(plain.scores) == len(out.logits) == 9
     for mine, theirs in zip(out.scores, plain.scores):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
     for mine, theirs in zip(out.logits, plain.logits):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
-    assert streamer.puts[0] == ids[0].tolist() and streamer.ended
-    assert sum(streamer.puts[1:], []) == out.sequences[0, ids.shape[1] :].tolist()
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
 
 
@@ -313,3 +318,79 @@ def test_eos_token_id_none_stops_at_no_eos_as_in_hf():
         assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False, **kwargs), want)
         assert router.last_stats is not None
     assert want.shape[1] == 16  # eos_token_id=None: no EOS, all ten tokens
+
+
+def test_a_cache_the_caller_passes_holds_the_run_as_in_hf_and_continues_it():
+    """generate() leaves the cache a caller passed holding the run's states: a routed run gives it the router's
+    layers (what a full forward pass leaves), and a call that continues from it runs as HF continues."""
+    from transformers import DynamicCache
+
+    from early_exit_router.models import _compat
+
+    model, plain = tiny_llama(1), tiny_llama(1)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **MIXED)
+    ids = prompt(1)
+    mine, theirs = DynamicCache(), DynamicCache()
+    out = model.generate(ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True, cache=mine)
+    want = plain.generate(ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True, cache=theirs)
+    assert router.last_stats is not None and router.last_stats.drafts_judged > 0  # routed, with drafts
+    assert torch.equal(out.sequences, want.sequences)
+    assert _compat.forward_cache(out) is mine and mine.get_seq_length() == theirs.get_seq_length()
+    assert_cache_matches_full_forward(model, out.sequences, mine)
+    router.last_stats = None
+    more = model.generate(out.sequences, max_new_tokens=8, do_sample=False, cache=mine)
+    assert router.last_stats is None  # a cache to continue from: plain HF generation
+    assert torch.equal(more, plain.generate(want.sequences, max_new_tokens=8, do_sample=False, cache=theirs))
+
+
+def test_a_caller_cache_with_a_layout_of_its_own_is_filled_by_plain_hf():
+    """A static cache, or a dynamic one for a batch, keeps the layout HF gives it: plain HF generation fills it."""
+    from transformers import DynamicCache, StaticCache
+
+    model, plain = tiny_llama(1), tiny_llama(1)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **MIXED)
+    ids, batch = prompt(1), torch.cat([prompt(5), prompt(6)])
+    for inputs, new_cache in (
+        (ids, lambda m: StaticCache(config=m.config, max_cache_len=64)),
+        (batch, lambda m: DynamicCache()),
+    ):
+        mine, theirs = new_cache(model), new_cache(plain)
+        out = model.generate(inputs, max_new_tokens=8, do_sample=False, cache=mine)
+        assert router.last_stats is None
+        assert torch.equal(out, plain.generate(inputs, max_new_tokens=8, do_sample=False, cache=theirs))
+        for layer, reference in zip(mine.layers, theirs.layers):
+            assert torch.equal(layer.keys, reference.keys)
+
+
+class ScoresSeen(StoppingCriteria):
+    """Keeps what it is handed as `scores` (None, or how many steps' scores) and never stops."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(scores if scores is None else len(scores))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_stopping_criteria_are_handed_the_scores_hf_hands_them():
+    """HF's generate hands its criteria None as scores, or every step's scores so far when per-step scores are asked
+    for: routed, a criterion gets None; asked for scores, a caller's own criteria run in plain HF."""
+    model, plain = tiny_llama(0), tiny_llama(0)
+    ids, n = prompt(3, 8), 12
+    theirs = ScoresSeen()
+    plain.generate(ids, max_new_tokens=n, do_sample=False, stopping_criteria=[theirs])
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **MIXED)
+    mine = ScoresSeen()
+    model.generate(ids, max_new_tokens=n, do_sample=False, stopping_criteria=[mine])
+    assert router.last_stats is not None and router.last_stats.drafts_judged > 0
+    assert mine.seen == theirs.seen == [None] * n
+    asked = dict(max_new_tokens=n, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    mine, theirs = ScoresSeen(), ScoresSeen()
+    router.last_stats = None
+    out = model.generate(ids, stopping_criteria=[mine], **asked)
+    want = plain.generate(ids, stopping_criteria=[theirs], **asked)
+    assert router.last_stats is None and torch.equal(out.sequences, want.sequences)
+    assert mine.seen == theirs.seen == list(range(1, n + 1))
+    out = model.generate(ids, **asked)  # HF's own criteria read no scores: routed
+    assert router.last_stats is not None and torch.equal(out.sequences, want.sequences)

@@ -62,14 +62,12 @@ def append(
         landed += 1
         row.tokens.append(int(token))
         row.depth.append(layer)
-        scores = None
         if row.request.output_logits and logits is not None:
-            scores = logits[r : r + 1].detach().float().reshape(1, -1).clone()
-            row.logits.append(scores)
+            row.logits.append(logits[r : r + 1].detach().float().reshape(1, -1).clone())
         if dec.cycle is None:  # outside a verify cycle a token is final at once
             row.final = len(row.tokens)
         if row.stop_at is None and ends_generation(
-            row.request, row.tokens, row.prompt_len, lambda r=r: row_ids(dec, r, end), scores, dec.cycle is None
+            row.request, row.tokens, row.prompt_len, lambda r=r: row_ids(dec, r, end), dec.cycle is None
         ):
             row.stop_at = len(row.new_tokens)
     if dec.cycle is None:  # final at once: the quality target's token count (verified ones land in `deep.verify`)
@@ -84,8 +82,7 @@ def make_final(dec: DecodeState) -> None:
         if not row.done and row.request.stopping_criteria is not None:
             end = len(row.new_tokens) if row.stop_at is None else row.stop_at
             for j in range(max(row.final - row.prompt_len, 0), end):
-                scores = row.logits[j] if j < len(row.logits) else None
-                if criteria_stop(row.request, lambda r=r, j=j: ids_through(dec, r, j + 1), scores):
+                if criteria_stop(row.request, lambda r=r, j=j: ids_through(dec, r, j + 1)):
                     row.stop_at = j + 1
                     break
         row.final = len(row.tokens)

@@ -54,14 +54,23 @@ def run_to_end(
 
 
 def run_rows_alone(
-    decode_one: Callable[..., GenerationOutput], input_ids: torch.Tensor, attention_mask: torch.Tensor, pad: int
+    decode_one: Callable[..., GenerationOutput],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    pad: int,
+    request: DecodeRequest,
+    selector: TokenSelector,
 ) -> GenerationOutput:
-    """A left-padded batch decoded one row after another by `decode_one(ids, mask, pad_token_id=...)`, in a batch's
-    output layout (for rows that cannot share a decoder; no cache)."""
+    """A left-padded batch decoded one row after another by `decode_one(ids, mask, request=..., selector=...,
+    pad_token_id=...)`, in a batch's output layout (for rows that cannot share a decoder; no cache). The caller's
+    processors and criteria still see each row's padding, as they would in the batch."""
     outputs, rows, depths = [], [], []
     for r in range(input_ids.shape[0]):
-        ids = input_ids[r : r + 1, attention_mask[r].bool()]  # (1, n_r): the row without its left padding
-        out = decode_one(ids, torch.ones_like(ids), pad_token_id=pad)
+        real = attention_mask[r].bool()
+        ids = input_ids[r : r + 1, real]  # (1, n_r): the row without its left padding
+        padding = input_ids[r : r + 1, ~real]  # (1, k): the padding
+        out = decode_one(ids, torch.ones_like(ids), request=request.after_padding(padding),
+                         selector=selector.after_padding(padding), pad_token_id=pad)  # fmt: skip
         outputs.append(out.sequences[0, ids.shape[1] :])
         rows.append(out.stats)
         depths.append(list(out.depths))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -54,9 +55,20 @@ class TokenSelector:
         if params.seed is not None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
+        self.padding: torch.Tensor | None = None  # (1, k) left padding the processors see first (`after_padding`)
+
+    def after_padding(self, padding: torch.Tensor) -> TokenSelector:
+        """This selector (its random generator shared) for a batch row decoded without its (1, k) left padding: the
+        processors see the padding first, as in HF's padded batch (min_new_tokens counts from the padded prompt's
+        end; a repetition penalty sees the pad ids)."""
+        selector = copy.copy(self)
+        selector.padding = padding if padding.numel() else None
+        return selector
 
     def scores(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """(1, vocab) raw logits -> (1, vocab) scores the token is chosen from."""
+        if self.padding is not None:
+            input_ids = torch.cat([self.padding, input_ids], dim=1)
         scores = self.processors(input_ids, logits.float())
         if self.params.do_sample:
             scores = self.warpers(input_ids, scores)

@@ -11,6 +11,7 @@ tokens at once, drafts in a verify cycle once the deep pass has judged them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,10 +41,27 @@ class DecodeRequest:
     # completion's text only (False).
     stop_strings_see_prompt: bool = True
 
+    def after_padding(self, padding: torch.Tensor) -> DecodeRequest:
+        """This request for a batch row decoded without its (1, k) left padding: its stopping criteria see the padding
+        first, as in HF's padded batch."""
+        if self.stopping_criteria is None or not padding.numel():
+            return self
+        return dataclasses.replace(self, stopping_criteria=AfterPadding(self.stopping_criteria, padding))
+
     @cached_property
     def stop_string_tail(self) -> int:
         """How many of the newest tokens are decoded to look for a stop string (see STOP_STRING_TAIL)."""
         return max(STOP_STRING_TAIL, 4 * max(map(len, self.stop_strings), default=0) + 1)
+
+
+class AfterPadding:
+    """Stopping criteria called with a row's (1, k) left padding before the ids they are given."""
+
+    def __init__(self, criteria: Callable[..., Any], padding: torch.Tensor) -> None:
+        self.criteria, self.padding = criteria, padding
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs: Any) -> Any:
+        return self.criteria(torch.cat([self.padding, input_ids], dim=1), scores, **kwargs)
 
 
 def as_eos_ids(value: int | Iterable[int] | None) -> list[int]:
@@ -71,12 +89,11 @@ def ends_generation(
     tokens: list[int],
     prompt_len: int,
     input_ids: Callable[[], torch.Tensor],
-    scores: torch.Tensor | None = None,
     final: bool = True,
 ) -> bool:
     """Whether the newest of `tokens` (the prompt's, then the new ones) ends generation. `input_ids` gives the (1, n)
-    ids a stopping criterion sees (built only when one is set); `scores` is the newest token's logits where kept.
-    The stopping criteria run only on a `final` token (see the module docstring)."""
+    ids a stopping criterion sees (built only when one is set). The stopping criteria run only on a `final` token
+    (see the module docstring)."""
     new = len(tokens) - prompt_len
     ended = new >= request.max_new_tokens or (bool(new) and tokens[-1] in request.eos_token_ids)
     if not ended and request.stop_strings and new:
@@ -84,14 +101,16 @@ def ends_generation(
         ended = _stop_string_ends_here(request, tokens[max(first, len(tokens) - request.stop_string_tail) :])
     # The criteria see every final token, the one another rule stops at too, as HF's StoppingCriteriaList calls
     # each of its criteria at every step.
-    return (final and criteria_stop(request, input_ids, scores)) or ended
+    return (final and criteria_stop(request, input_ids)) or ended
 
 
-def criteria_stop(request: DecodeRequest, input_ids: Callable[[], torch.Tensor], scores: torch.Tensor | None) -> bool:
-    """Whether the caller's stopping criteria end generation at the newest of the (1, n) `input_ids()`."""
+def criteria_stop(request: DecodeRequest, input_ids: Callable[[], torch.Tensor]) -> bool:
+    """Whether the caller's stopping criteria end generation at the newest of the (1, n) `input_ids()`. Their
+    `scores` are None, as HF's generate hands them unless asked for per-step scores (`model.generate` then runs
+    a caller's own criteria in plain HF)."""
     if request.stopping_criteria is None:
         return False
-    return bool(torch.as_tensor(request.stopping_criteria(input_ids(), scores)).any())
+    return bool(torch.as_tensor(request.stopping_criteria(input_ids(), None)).any())
 
 
 def _stop_string_ends_here(request: DecodeRequest, tail: list[int]) -> bool:

@@ -10,8 +10,11 @@ added to `generate`'s keyword arguments.
 Batches (several sequences, left padding) run through the router's batch decoder, except per-step scores or logits,
 streamers, and criteria or processors that read the batch whole (`_reads_the_batch`), which run plain HF generation.
 Calls the router cannot serve (beam search, assisted generation, a user's own `custom_generate`, a cache to continue
-from, stateful processors, token healing, synced GPUs) run plain HF generation, unchanged. The last call's
-`GenerationStats` is `router.last_stats`. `plain_generate` is what a router inside `disabled()` runs.
+from, stateful processors, token healing, synced GPUs, per-step scores beside a user's own stopping criteria, which
+may read them) run plain HF generation, unchanged. An empty cache the caller passes holds the run's states
+afterwards, as in HF: a dynamic one for one sequence takes the router's layers; a static, quantized or offloading
+one, or one for a batch, is filled by plain HF generation. The last call's `GenerationStats` is `router.last_stats`.
+`plain_generate` is what a router inside `disabled()` runs.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from early_exit_router.models import _compat
 
 ROUTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 PLAIN_ONLY_INPUTS = ("inputs_embeds",)  # the router decodes from token ids: calls with these run plain HF
-# HF's own criteria that judge each row by itself and keep no state: the router calls them row by row
+# HF's own criteria that judge each row by itself, keep no state and never read their scores: the router calls them
+# row by row
 PER_ROW_CRITERIA = (MaxLengthCriteria, MaxTimeCriteria, EosTokenCriteria, StopStringCriteria)
 ROUTER_ATTR = "_early_exit_router"  # back-reference, to refuse patching one model twice
 GENERATE_ATTR = "generate"  # instance attribute: model.generate() routes through the router
@@ -159,6 +163,10 @@ def _routed_decoding(
     cache = model_kwargs.get(_compat.GENERATE_CACHE_KWARG)
     continuing = cache is not None and cache.get_seq_length() > 0
     batched = input_ids.shape[0] != 1 or (mask is not None and not bool((mask != 0).all()))
+    # A cache the caller passed holds the run's states afterwards, as in HF: the decode's layers go into it where
+    # they line up with what HF would leave there (one sequence, a plain dynamic cache); other such calls run in HF.
+    mine = cache if getattr(cache, "_is_user_defined", False) else None
+    keeps_own_layout = mine is not None and (batched or not _compat.can_adopt_layers(mine))
     mode = getattr(generation_config, "early_exit_mode", None) or router.config.mode
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
@@ -168,7 +176,10 @@ def _routed_decoding(
     # pace, so criteria and processors that read the whole batch at once (or a row's index in it) see it only in HF.
     per_batch = batched and (want_scores or want_logits or streamer is not None or _reads_the_batch(
         logits_processor, stopping_criteria, eos_ids, stops[0]))  # fmt: skip
-    if continuing or per_batch:
+    # HF hands stopping criteria the scores so far only when per-step scores are asked for (else None, as the router
+    # does): a caller's own criteria may then read them.
+    scored = want_scores and any(not isinstance(c, PER_ROW_CRITERIA) for c in stopping_criteria or ())
+    if continuing or per_batch or keeps_own_layout or scored:
         if streamer is not None:  # generate() skipped the prompt's put: the streamer was ours to handle
             streamer.put(input_ids.cpu())
         if stops[0]:
@@ -204,6 +215,8 @@ def _routed_decoding(
     ids, mask = router.check_input_ids(input_ids, mask)
     out = router.decode(ids, mask, request, selector, mode=mode, pad_token_id=pad)
     router.last_stats = out.stats
+    if mine is not None:
+        _compat.adopt_layers(mine, out.cache)
     if not generation_config.return_dict_in_generate:
         return out.sequences
     scores = None
@@ -211,7 +224,7 @@ def _routed_decoding(
         prompt_len = input_ids.shape[1]
         scores = tuple(selector.scores(out.sequences[:, : prompt_len + i], row) for i, row in enumerate(out.logits))
     logits = tuple(out.logits) if want_logits and out.logits is not None else None
-    return _compat.generate_output(out.sequences, scores, logits, out.cache)
+    return _compat.generate_output(out.sequences, scores, logits, out.cache if mine is None else mine)
 
 
 def _reads_the_batch(processors: Any, criteria: Any, eos_ids: list[int], stop_strings: tuple[str, ...]) -> bool:

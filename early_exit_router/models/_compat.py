@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import transformers
 from transformers import masking_utils
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 MIN_TRANSFORMERS = "5.20.0"
 
@@ -152,6 +152,25 @@ def new_block_cache() -> DynamicCache:
     cache = DynamicCache()
     cache.layer_class_to_replicate = GrowingLayer
     return cache
+
+
+def can_adopt_layers(cache: Any) -> bool:
+    """Whether a caller's empty cache can take a decode's layers as they are (`adopt_layers`): an empty
+    `DynamicCache` of plain or sliding layers that does not offload. Static, quantized and offloading caches keep a
+    layout of their own."""
+    plain = (DynamicLayer, DynamicSlidingWindowLayer)
+    return (
+        type(cache) is DynamicCache
+        and not cache.offloading
+        and cache.get_seq_length() == 0
+        and all(type(layer) in plain for layer in cache.layers)
+    )
+
+
+def adopt_layers(cache: DynamicCache, source: DynamicCache) -> None:
+    """Give a caller's empty `cache` the layers of the decode's `source`, as generate() leaves the cache a caller
+    passed it holding the run's states."""
+    cache.layers = list(source.layers)
 
 
 def prepare_for_rollback(cache: DynamicCache) -> None:
