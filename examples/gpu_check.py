@@ -4,7 +4,8 @@
 
 Checks, per dtype: never-exit output identical to `model.generate`; verify mode identical to greedy; every
 layer's cache equal to a full forward pass after mixed exits; host-device syncs in the decode loop counted with
-`torch.cuda.set_sync_debug_mode("warn")` against routing decisions and emitted tokens. Then, on SmolLM2, it measures
+`torch.cuda.set_sync_debug_mode("warn")` against routing decisions and emitted tokens; the patched `model.generate`
+given ids on the CPU returns them there, as HF does. Then, on SmolLM2, it measures
 the cost model on the GPU (`early-exit-router profile` prints the same table), and times plain HF generate against
 the default config (verify mode under the cost policy), the fixed cascade and exit mode, printing which plans the
 policy chose, and compares the `memory` budget with the allocator's peak. Last, quantized bases (torchao int8,
@@ -73,6 +74,10 @@ def contract(label: str, model, ids: torch.Tensor, exit_layers: list[int], mixed
     # Expected: one per routing decision (flag, confidence and token together), one per deep pass, plus prefill.
     budget = s.new_tokens * len(exit_layers) + s.deep_passes + 8
     check(f"{label} host syncs within budget", syncs <= budget, f"{syncs} syncs for {s.new_tokens} tokens")
+    router.config = router.config.replace(mode="verify")
+    routed = model.generate(ids.cpu(), max_new_tokens=n, do_sample=False)
+    check(f"{label} model.generate from CPU ids returns CPU ids", routed.device.type == "cpu", str(routed.device))
+    check(f"{label} model.generate from CPU ids == greedy", torch.equal(routed, ref.cpu()))
     router.unpatch()
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from early_exit_router import EarlyExitRouter
 from early_exit_router.decode.output import run_to_end
@@ -175,6 +181,13 @@ def test_rows_run_alone_show_processors_and_criteria_their_padding_as_hf_does():
                                   **kwargs)  # fmt: skip
     assert want.shape[1] == width + 10  # the criterion stopped both rows at the padded length
     assert torch.equal(out.sequences, want)
+    # HF's repetition penalty holds each row's padding length: each row alone applies its own
+    penalty = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, repetition_penalty=1.4, attention_mask=mask)
+    want = tiny_llama(0).generate(ids, **penalty)
+    router.last_stats = None
+    assert torch.equal(model.generate(ids, generation_config=GenerationConfig(early_exit_mode="verify"), **penalty),
+                       want)  # fmt: skip
+    assert router.last_stats is not None  # routed, each row alone
 
 
 def test_a_residual_block_starts_as_exactly_its_postnorm_head():

@@ -394,3 +394,47 @@ def test_stopping_criteria_are_handed_the_scores_hf_hands_them():
     assert mine.seen == theirs.seen == list(range(1, n + 1))
     out = model.generate(ids, **asked)  # HF's own criteria read no scores: routed
     assert router.last_stats is not None and torch.equal(out.sequences, want.sequences)
+
+
+@pytest.mark.parametrize("design", ["synchronous", "per_row"])
+def test_a_padded_batch_with_a_repetition_penalty_is_routed_row_by_row_as_hf_penalizes(design):
+    """HF's repetition penalty holds each row's padding length and refuses a batch of another size: rows scored one
+    at a time (per-row verify, sampling) see their own row's, and verify mode equals HF's batched greedy."""
+    model = tiny_llama(5)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **{**MIXED, "batch_design": design})
+    ids = torch.cat([prompt(5), prompt(6)])
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 0, 0
+    kwargs = dict(max_new_tokens=12, pad_token_id=0, repetition_penalty=1.4, attention_mask=mask)
+    out = model.generate(ids, do_sample=False, generation_config=GenerationConfig(early_exit_mode="verify"), **kwargs)
+    assert router.last_stats is not None  # routed (per-row batches draft from the n-gram tier alone: none here)
+    assert design == "per_row" or router.last_stats.drafts_judged > 0
+    assert torch.equal(out, plain_generate(5, ids, do_sample=False, **kwargs))
+    sampled = model.generate(ids, do_sample=True, generation_config=GenerationConfig(early_exit_mode="verify"),
+                             **kwargs)  # fmt: skip
+    assert router.last_stats is not None and sampled.shape[0] == 2
+
+
+def test_calls_with_their_own_positions_masks_or_cache_layout_run_plain_hf():
+    """`position_ids`, a mask that is not left padding, and a cache_implementation with a layout of its own run
+    plain HF generation, as unpatched; without a cache (use_cache=False) no cache is returned."""
+    model, plain = tiny_llama(4), tiny_llama(4)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **MIXED)
+    ids = prompt(4)
+    right = torch.ones_like(ids)
+    right[0, -2:] = 0
+    for kwargs in (
+        dict(position_ids=torch.arange(ids.shape[1])[None] + 3),
+        dict(attention_mask=right),
+        dict(cache_implementation="static"),
+    ):
+        router.last_stats = None
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, **kwargs)
+        assert router.last_stats is None, kwargs
+        assert torch.equal(out, plain.generate(ids, max_new_tokens=6, do_sample=False, **kwargs)), kwargs
+    from early_exit_router.models import _compat
+
+    asked = dict(max_new_tokens=6, do_sample=False, use_cache=False, return_dict_in_generate=True)
+    out, want = model.generate(ids, **asked), plain.generate(ids, **asked)
+    assert router.last_stats is not None and torch.equal(out.sequences, want.sequences)
+    assert _compat.forward_cache(out) is None and _compat.forward_cache(want) is None

@@ -41,6 +41,13 @@ def check_input_ids(
     return input_ids.to(device=device, dtype=torch.long), mask
 
 
+def left_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether a (b, n) attention mask pads its rows on the left only, each row holding at least one token (what
+    `check_input_ids` accepts)."""
+    mask = attention_mask != 0
+    return not bool((mask[:, 1:] < mask[:, :-1]).any()) and bool(mask[:, -1].all())
+
+
 def check_length(prompt_len: int, max_new_tokens: Any, context: int | None) -> None:
     """Refuse a max_new_tokens that is not a positive integer, or a prompt that leaves it no room in `context`."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:

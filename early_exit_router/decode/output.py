@@ -38,7 +38,7 @@ def run_to_end(
 ) -> GenerationOutput:
     """Decode (b, n) left-padded prompts to their ends with one request and selector for every row."""
     b = input_ids.shape[0]
-    decoder.prefill(input_ids, attention_mask, [request] * b, [selector] * b)
+    decoder.prefill(input_ids, attention_mask, [request] * b, [selector.for_row(r, b) for r in range(b)])
     while not decoder.finished:
         decoder.step()
     cache = decoder.finish()
@@ -69,8 +69,9 @@ def run_rows_alone(
         real = attention_mask[r].bool()
         ids = input_ids[r : r + 1, real]  # (1, n_r): the row without its left padding
         padding = input_ids[r : r + 1, ~real]  # (1, k): the padding
-        out = decode_one(ids, torch.ones_like(ids), request=request.after_padding(padding),
-                         selector=selector.after_padding(padding), pad_token_id=pad)  # fmt: skip
+        mine = selector.for_row(r, input_ids.shape[0]).after_padding(padding)
+        out = decode_one(ids, torch.ones_like(ids), request=request.after_padding(padding), selector=mine,
+                         pad_token_id=pad)  # fmt: skip
         outputs.append(out.sequences[0, ids.shape[1] :])
         rows.append(out.stats)
         depths.append(list(out.depths))

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.logits_process import (
+    LogitsProcessor,
     LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -60,9 +62,20 @@ class TokenSelector:
     def after_padding(self, padding: torch.Tensor) -> TokenSelector:
         """This selector (its random generator shared) for a batch row decoded without its (1, k) left padding: the
         processors see the padding first, as in HF's padded batch (min_new_tokens counts from the padded prompt's
-        end; a repetition penalty sees the pad ids)."""
+        end)."""
         selector = copy.copy(self)
         selector.padding = padding if padding.numel() else None
+        return selector
+
+    def for_row(self, r: int, rows: int) -> TokenSelector:
+        """This selector (its random generator shared) for row r of a batch of `rows` whose processors are called
+        one row at a time: processors that hold a value per row of the batch keep row r's (HF's repetition penalty
+        holds each row's padding length). Itself where no processor does."""
+        mine = [_row_of(p, r, rows) for p in self.processors]
+        if all(a is b for a, b in zip(mine, self.processors)):
+            return self
+        selector = copy.copy(self)
+        selector.processors = LogitsProcessorList(mine)
         return selector
 
     def scores(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -81,3 +94,15 @@ class TokenSelector:
             return scores.argmax(dim=-1)
         probs = torch.softmax(scores, dim=-1)
         return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(-1)
+
+
+def _row_of(processor: LogitsProcessor, r: int, rows: int) -> LogitsProcessor:
+    """`processor` as row r of a batch of `rows` sees it alone: a copy holding row r's value where it holds one per
+    row (HF's repetition penalty: the padding length of each row, which it refuses to apply to another batch size)."""
+    if isinstance(processor, RepetitionPenaltyLogitsProcessor):
+        ignore = processor.prompt_ignore_length
+        if torch.is_tensor(ignore) and ignore.dim() == 1 and ignore.shape[0] == rows:
+            mine = copy.copy(processor)
+            mine.prompt_ignore_length = ignore[r : r + 1]
+            return mine
+    return processor

@@ -10,11 +10,14 @@ added to `generate`'s keyword arguments.
 Batches (several sequences, left padding) run through the router's batch decoder, except per-step scores or logits,
 streamers, and criteria or processors that read the batch whole (`_reads_the_batch`), which run plain HF generation.
 Calls the router cannot serve (beam search, assisted generation, a user's own `custom_generate`, a cache to continue
-from, stateful processors, token healing, synced GPUs, per-step scores beside a user's own stopping criteria, which
-may read them) run plain HF generation, unchanged. An empty cache the caller passes holds the run's states
-afterwards, as in HF: a dynamic one for one sequence takes the router's layers; a static, quantized or offloading
-one, or one for a batch, is filled by plain HF generation. The last call's `GenerationStats` is `router.last_stats`.
-`plain_generate` is what a router inside `disabled()` runs.
+from, guidance and watermarks (processors with state of their own), token healing, synced GPUs, `position_ids`, masks
+that are not left padding, per-step scores beside a user's own stopping criteria, which may read them) run plain HF
+generation, unchanged. An empty cache the caller passes holds the run's states afterwards, as in HF: a dynamic one
+for one sequence takes the router's layers; a static, quantized or offloading one (the caller's, or
+`cache_implementation`'s), or one for a batch, is filled by plain HF generation. A user's logits processors must
+depend only on the ids they are shown, as for HF's assisted generation: drafts are scored before the full model has
+judged them. The last call's `GenerationStats` is `router.last_stats`. `plain_generate` is what a router inside
+`disabled()` runs.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
+from early_exit_router.decode.inputs import left_padded
 from early_exit_router.decode.output import GenerationOutput
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stats import plain_stats
@@ -44,7 +48,8 @@ from early_exit_router.decode.stopping import DecodeRequest, as_eos_ids, as_stop
 from early_exit_router.models import _compat
 
 ROUTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-PLAIN_ONLY_INPUTS = ("inputs_embeds",)  # the router decodes from token ids: calls with these run plain HF
+# The router decodes from token ids and places them as the mask says: calls with these run plain HF
+PLAIN_ONLY_INPUTS = ("inputs_embeds", "position_ids")
 # HF's own criteria that judge each row by itself, keep no state and never read their scores: the router calls them
 # row by row
 PER_ROW_CRITERIA = (MaxLengthCriteria, MaxTimeCriteria, EosTokenCriteria, StopStringCriteria)
@@ -164,9 +169,12 @@ def _routed_decoding(
     continuing = cache is not None and cache.get_seq_length() > 0
     batched = input_ids.shape[0] != 1 or (mask is not None and not bool((mask != 0).all()))
     # A cache the caller passed holds the run's states afterwards, as in HF: the decode's layers go into it where
-    # they line up with what HF would leave there (one sequence, a plain dynamic cache); other such calls run in HF.
+    # they line up with what HF would leave there (one sequence, a plain dynamic cache). A static, quantized or
+    # offloading cache (the caller's, or the one `cache_implementation` asks for) keeps its layout: HF runs those.
     mine = cache if getattr(cache, "_is_user_defined", False) else None
-    keeps_own_layout = mine is not None and (batched or not _compat.can_adopt_layers(mine))
+    own_layout = cache is not None and not continuing and not _compat.can_adopt_layers(cache)
+    own_layout = own_layout or (mine is not None and batched)
+    unpadded = mask is not None and not left_padded(mask)  # HF generates from such a mask; the router refuses it
     mode = getattr(generation_config, "early_exit_mode", None) or router.config.mode
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
@@ -179,7 +187,7 @@ def _routed_decoding(
     # HF hands stopping criteria the scores so far only when per-step scores are asked for (else None, as the router
     # does): a caller's own criteria may then read them.
     scored = want_scores and any(not isinstance(c, PER_ROW_CRITERIA) for c in stopping_criteria or ())
-    if continuing or per_batch or keeps_own_layout or scored:
+    if continuing or per_batch or own_layout or unpadded or scored:
         if streamer is not None:  # generate() skipped the prompt's put: the streamer was ours to handle
             streamer.put(input_ids.cpu())
         if stops[0]:
@@ -217,14 +225,19 @@ def _routed_decoding(
     router.last_stats = out.stats
     if mine is not None:
         _compat.adopt_layers(mine, out.cache)
+    home = input_ids.device  # HF takes ids on the CPU for a model elsewhere and returns what it made there
+    sequences = out.sequences.to(home)
     if not generation_config.return_dict_in_generate:
-        return out.sequences
+        return sequences
     scores = None
     if want_scores:  # scores are the processed logits each token was chosen from, as HF reports them
         prompt_len = input_ids.shape[1]
-        scores = tuple(selector.scores(out.sequences[:, : prompt_len + i], row) for i, row in enumerate(out.logits))
-    logits = tuple(out.logits) if want_logits and out.logits is not None else None
-    return _compat.generate_output(out.sequences, scores, logits, out.cache if mine is None else mine)
+        scores = tuple(
+            selector.scores(out.sequences[:, : prompt_len + i], row).to(home) for i, row in enumerate(out.logits)
+        )
+    logits = tuple(t.to(home) for t in out.logits) if want_logits and out.logits is not None else None
+    kept = None if generation_config.use_cache is False else mine if mine is not None else out.cache
+    return _compat.generate_output(sequences, scores, logits, kept)
 
 
 def _reads_the_batch(processors: Any, criteria: Any, eos_ids: list[int], stop_strings: tuple[str, ...]) -> bool:
