@@ -129,14 +129,28 @@ def test_cost_policy_verify_with_block_adapters_is_greedy_identical():
     assert any(k.startswith("exit") for k in out.stats.policy_cycles)  # the policy drafted from a block exit
 
 
-def test_a_padded_batch_with_block_adapters_runs_each_row_alone():
-    model = tiny_llama(0)
-    router = block_router(model)
-    rows = [prompt(0, 8)[0], prompt(1, 5)[0]]
+def pad_left(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, width) ids left-padded with 0, and their attention mask."""
     width = max(len(r) for r in rows)
     ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
     mask = torch.stack([torch.cat([torch.zeros(width - len(r)), torch.ones(len(r))]).long() for r in rows])
+    return ids, mask
+
+
+def rows_alone(short: int) -> tuple:
+    """tiny_llama(0) under block exits only, whose batches run each row alone, and a batch of 8 and `short` tokens:
+    (model, router, rows, ids, mask)."""
+    model = tiny_llama(0)
+    router = block_router(model)
+    rows = [prompt(0, 8)[0], prompt(1, short)[0]]
+    ids, mask = pad_left(rows)
     assert not router.can_batch()
+    return model, router, rows, ids, mask
+
+
+def test_a_padded_batch_with_block_adapters_runs_each_row_alone():
+    model, router, rows, ids, mask = rows_alone(5)
+    width = ids.shape[1]
     batch = router.generate(ids, max_new_tokens=12, mode="exit", attention_mask=mask)
     for r, row in enumerate(rows):
         alone = router.generate(row[None], max_new_tokens=12, mode="exit")
@@ -167,13 +181,8 @@ class StopAtLength(StoppingCriteria):
 def test_rows_run_alone_show_processors_and_criteria_their_padding_as_hf_does():
     """Rows decoded one after another drop their left padding for the model, but the caller's processors and
     stopping criteria see the padded row, as in HF's batch: verify mode equals HF's batched greedy."""
-    model = tiny_llama(0)
-    router = block_router(model)
-    rows = [prompt(0, 8)[0], prompt(1, 4)[0]]
-    width = max(len(r) for r in rows)
-    ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
-    mask = torch.stack([torch.cat([torch.zeros(width - len(r)), torch.ones(len(r))]).long() for r in rows])
-    assert not router.can_batch()
+    model, router, rows, ids, mask = rows_alone(4)
+    width = ids.shape[1]
     kwargs = dict(logits_processor=LogitsProcessorList([ForceAtLengths()]), attention_mask=mask)
     criteria = StoppingCriteriaList([StopAtLength(width + 10)])
     out = router.generate(ids, 16, mode="verify", stopping_criteria=criteria, **kwargs)
@@ -236,9 +245,7 @@ def test_a_batch_leaves_block_exits_out_and_consults_the_others(mode):
     assert router.batch_config().active_exit_layers == [1]
     assert router.batch_config(router.config.replace(active_exit_layers=[3])) is None  # blocks alone: rows alone
     rows = [prompt(0, 8)[0], prompt(1, 5)[0]]
-    width = max(len(r) for r in rows)
-    ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
-    mask = torch.stack([torch.cat([torch.zeros(width - len(r)), torch.ones(len(r))]).long() for r in rows])
+    ids, mask = pad_left(rows)
     out = router.generate(ids, max_new_tokens=12, mode=mode, attention_mask=mask)
     depths = {d for row in out.depths for d in row}
     assert 3 not in depths and (mode == "verify" or 1 in depths), depths
