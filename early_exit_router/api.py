@@ -363,9 +363,9 @@ class EarlyExitRouter:
         tokenizer is attached. `config` sets this call's routing without touching `router.config`: a `RouterConfig`,
         or a mapping of fields to change (e.g. `{"high_conf_threshold": 0.8}`). `eos_token_id` defaults to the
         model's generation config. `seed` makes sampling reproducible. Stopping criteria see one row, (1, n), at each
-        final token (never a draft), with the processed scores it was chosen from, as HF hands them. Inside
-        `disabled()`, this runs plain HF generation (same arguments) and reports every token at full depth. Calls
-        from several threads are served one after another.
+        final token (never a draft), and None as scores, as HF's generate hands them without per-step scores.
+        Inside `disabled()`, this runs plain HF generation (same arguments) and reports every token at full depth.
+        Calls from several threads are served one after another.
         """
         if self._state == "unpatched":
             raise RuntimeError("This router was unpatched: build a new one with EarlyExitRouter.from_model(model).")

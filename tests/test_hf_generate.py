@@ -399,20 +399,22 @@ def test_stopping_criteria_are_handed_the_scores_hf_hands_them():
 @pytest.mark.parametrize("design", ["synchronous", "per_row"])
 def test_a_padded_batch_with_a_repetition_penalty_is_routed_row_by_row_as_hf_penalizes(design):
     """HF's repetition penalty holds each row's padding length and refuses a batch of another size: rows scored one
-    at a time (per-row verify, sampling) see their own row's, and verify mode equals HF's batched greedy."""
+    at a time (per-row verify, sampling) see their own row's, and verify mode equals HF's batched greedy. Prompts
+    that repeat themselves give the n-gram tier drafts to verify in either design."""
     model = tiny_llama(5)
-    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **{**MIXED, "batch_design": design})
-    ids = torch.cat([prompt(5), prompt(6)])
+    router = EarlyExitRouter.from_model(
+        model, exit_layers=[1, 3], **{**MIXED, "batch_design": design, "ngram_tier": True, "ngram_min_size": 1}
+    )
+    ids = torch.cat([prompt(5, 6).repeat(1, 3), prompt(6, 6).repeat(1, 3)])
     mask = torch.ones_like(ids)
     ids[0, :3], mask[0, :3] = 0, 0
     kwargs = dict(max_new_tokens=12, pad_token_id=0, repetition_penalty=1.4, attention_mask=mask)
-    out = model.generate(ids, do_sample=False, generation_config=GenerationConfig(early_exit_mode="verify"), **kwargs)
-    assert router.last_stats is not None  # routed (per-row batches draft from the n-gram tier alone: none here)
-    assert design == "per_row" or router.last_stats.drafts_judged > 0
+    verify = GenerationConfig(early_exit_mode="verify")
+    out = model.generate(ids, do_sample=False, generation_config=verify, **kwargs)
+    assert router.last_stats is not None and router.last_stats.drafts_judged > 0
     assert torch.equal(out, plain_generate(5, ids, do_sample=False, **kwargs))
-    sampled = model.generate(ids, do_sample=True, generation_config=GenerationConfig(early_exit_mode="verify"),
-                             **kwargs)  # fmt: skip
-    assert router.last_stats is not None and sampled.shape[0] == 2
+    sampled = model.generate(ids, do_sample=True, generation_config=verify, **kwargs)
+    assert router.last_stats is not None and router.last_stats.drafts_judged > 0 and sampled.shape[0] == 2
 
 
 def test_calls_with_their_own_positions_masks_or_cache_layout_run_plain_hf():

@@ -32,20 +32,21 @@ def check_input_ids(
             f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}."
         )
     mask = (attention_mask != 0).long().to(device)
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
-        raise ValueError(
-            "Only left padding is supported: pad each prompt on the left (tokenizer.padding_side = 'left')."
-        )
-    if bool((mask[:, -1] == 0).any()):
-        raise ValueError("A row of attention_mask is all padding: every prompt needs at least one token.")
+    problem = padding_problem(mask)
+    if problem is not None:
+        raise ValueError(problem)
     return input_ids.to(device=device, dtype=torch.long), mask
 
 
-def left_padded(attention_mask: torch.Tensor) -> bool:
-    """Whether a (b, n) attention mask pads its rows on the left only, each row holding at least one token (what
-    `check_input_ids` accepts)."""
+def padding_problem(attention_mask: torch.Tensor) -> str | None:
+    """What keeps a (b, n) attention mask from being a decode's (None: it pads rows on the left only, each row
+    holding at least one token)."""
     mask = attention_mask != 0
-    return not bool((mask[:, 1:] < mask[:, :-1]).any()) and bool(mask[:, -1].all())
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        return "Only left padding is supported: pad each prompt on the left (tokenizer.padding_side = 'left')."
+    if not bool(mask[:, -1].all()):
+        return "A row of attention_mask is all padding: every prompt needs at least one token."
+    return None
 
 
 def check_length(prompt_len: int, max_new_tokens: Any, context: int | None) -> None:

@@ -40,7 +40,7 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
-from early_exit_router.decode.inputs import left_padded
+from early_exit_router.decode.inputs import padding_problem
 from early_exit_router.decode.output import GenerationOutput
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stats import plain_stats
@@ -166,15 +166,13 @@ def _routed_decoding(
     call's stop strings and the tokenizer to match them with."""
     mask = model_kwargs.get("attention_mask")
     cache = model_kwargs.get(_compat.GENERATE_CACHE_KWARG)
-    continuing = cache is not None and cache.get_seq_length() > 0
     batched = input_ids.shape[0] != 1 or (mask is not None and not bool((mask != 0).all()))
     # A cache the caller passed holds the run's states afterwards, as in HF: the decode's layers go into it where
-    # they line up with what HF would leave there (one sequence, a plain dynamic cache). A static, quantized or
-    # offloading cache (the caller's, or the one `cache_implementation` asks for) keeps its layout: HF runs those.
+    # they line up with what HF would leave there (one sequence, an empty dynamic cache). A cache to continue from,
+    # and a static, quantized or offloading one (the caller's, or the one `cache_implementation` asks for): HF.
     mine = cache if getattr(cache, "_is_user_defined", False) else None
-    own_layout = cache is not None and not continuing and not _compat.can_adopt_layers(cache)
-    own_layout = own_layout or (mine is not None and batched)
-    unpadded = mask is not None and not left_padded(mask)  # HF generates from such a mask; the router refuses it
+    plain_cache = (cache is not None and not _compat.can_adopt_layers(cache)) or (mine is not None and batched)
+    unpadded = mask is not None and padding_problem(mask) is not None  # HF generates from it; the router refuses it
     mode = getattr(generation_config, "early_exit_mode", None) or router.config.mode
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
@@ -187,7 +185,7 @@ def _routed_decoding(
     # HF hands stopping criteria the scores so far only when per-step scores are asked for (else None, as the router
     # does): a caller's own criteria may then read them.
     scored = want_scores and any(not isinstance(c, PER_ROW_CRITERIA) for c in stopping_criteria or ())
-    if continuing or per_batch or own_layout or unpadded or scored:
+    if plain_cache or per_batch or unpadded or scored:
         if streamer is not None:  # generate() skipped the prompt's put: the streamer was ours to handle
             streamer.put(input_ids.cpu())
         if stops[0]:

@@ -155,9 +155,9 @@ def new_block_cache() -> DynamicCache:
 
 
 def can_adopt_layers(cache: Any) -> bool:
-    """Whether a caller's empty cache can take a decode's layers as they are (`adopt_layers`): an empty
-    `DynamicCache` of plain or sliding layers that does not offload. Static, quantized and offloading caches keep a
-    layout of their own."""
+    """Whether a cache can take a decode's layers as they are (`adopt_layers`): an empty `DynamicCache` of plain or
+    sliding layers that does not offload. A cache holding states, and static, quantized and offloading caches,
+    cannot."""
     plain = (DynamicLayer, DynamicSlidingWindowLayer)
     return (
         type(cache) is DynamicCache
