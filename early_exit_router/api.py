@@ -174,6 +174,7 @@ class EarlyExitRouter:
         base_config = config or saved.config
         saved.check_layout(base_config, overrides)
         config = base_config.replace(**overrides) if overrides else base_config
+        config = config.replace(heads_trained=saved.config.heads_trained)  # the heads', whatever config routes them
         stack = stack_for(model)
         heads = heads_from_saved(saved, stack, config, name)
         stack.use_packed_weights(pack_weights)

@@ -199,6 +199,19 @@ def test_rows_run_alone_show_processors_and_criteria_their_padding_as_hf_does():
     assert router.last_stats is not None  # routed, each row alone
 
 
+def test_max_time_on_rows_run_alone_runs_plain_hf():
+    """Rows decoded one after another would share HF's one max_time clock (the first row could spend it all, the
+    others stopping at once): model.generate runs such a batch as HF does; one sequence stays routed."""
+    model, router, rows, ids, mask = rows_alone(5)
+    config = GenerationConfig(early_exit_mode="verify", max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = tiny_llama(0).generate(ids, generation_config=config, attention_mask=mask)
+    router.last_stats = None
+    assert torch.equal(model.generate(ids, generation_config=config, attention_mask=mask, max_time=600.0), want)
+    assert router.last_stats is None  # plain HF
+    model.generate(rows[0][None], generation_config=config, max_time=600.0)
+    assert router.last_stats is not None  # one sequence: routed
+
+
 def test_a_residual_block_starts_as_exactly_its_postnorm_head():
     """Its block's update enters scaled by zero at the start and its post-norm map is a `postnorm` adapter, so a
     residual block warm-started from a trained `postnorm` head predicts exactly what that head does."""

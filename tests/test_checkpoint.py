@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from early_exit_router import EarlyExitRouter
+from early_exit_router import EarlyExitRouter, RouterConfig
 from early_exit_router.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, BaseModelMismatchError, load_router
 
 from .conftest import MIXED, prompt, tiny_llama
@@ -48,6 +49,20 @@ def test_save_and_load_round_trip_gives_identical_outputs(tmp_path, adapter):
     assert torch.equal(out.sequences, expected.sequences)
     for a, b in zip(out.logits, expected.logits):
         assert torch.equal(a, b)
+
+
+def test_saved_heads_stay_trained_under_a_config_of_the_callers_and_another_layout_says_what_to_do(tmp_path):
+    """Whether heads are trained is the heads' own: a config passed to route them keeps it (else describe() would
+    call them untrained, exit mode would warn, and saving would write them as untrained)."""
+    router = trained_looking_router(tiny_llama(0))
+    router.save_pretrained(tmp_path / "router")
+    saved = load_router(tmp_path / "router")
+    saved = dataclasses.replace(saved, config=saved.config.replace(heads_trained=True))
+    routing = saved.config.replace(heads_trained=False, mode="exit")
+    loaded = EarlyExitRouter._from_saved(tiny_llama(0), None, saved, routing, "x")
+    assert loaded.config.heads_trained and loaded.config.mode == "exit" and "UNTRAINED" not in loaded.describe()
+    with pytest.raises(ValueError, match="pass them as keywords"):
+        EarlyExitRouter._from_saved(tiny_llama(0), None, saved, RouterConfig(mode="exit"), "x")
 
 
 def test_mixed_adapter_kinds_save_load_and_refuse_another_layout(tmp_path):

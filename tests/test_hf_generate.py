@@ -66,6 +66,49 @@ def test_sampling_with_never_exit_draws_the_same_tokens_as_plain_generate():
     assert torch.equal(routed, plain.generate(ids, **kwargs))
 
 
+@pytest.mark.parametrize("source", ["exits", "copies"])
+def test_sampled_verify_mode_draws_the_tokens_plain_sampling_draws_whatever_is_drafted(source):
+    """Each position's token is the full model's draw with that position's noise, the noise torch.multinomial
+    draws: drafts (the exits' own samples, or the n-gram tier's copies) change how many passes it takes, never the
+    tokens. So verify-mode sampling gives plain HF sampling's tokens from the same seed, and a router's store of
+    earlier calls (other drafts) leaves a seeded call's output as it was."""
+    model = tiny_llama(0)
+    drafting = dict(exit_layers=[1, 3], policy="fixed", draft_vocab_size=0, max_pending=6)
+    if source == "exits":
+        drafting.update(MIXED, ngram_tier=False)
+    else:
+        drafting.update(NEVER_EXIT, ngram_tier=True, ngram_min_size=1)
+    router = EarlyExitRouter.from_model(model, mode="verify", **drafting)
+    ids = torch.tensor([[5, 17, 33, 41, 9, 5, 17, 33, 41, 9, 5, 17]])  # a loop: copies to draft
+    kwargs = dict(max_new_tokens=40, do_sample=True, temperature=1.3, top_k=40)
+    plain = tiny_llama(0)
+    drafts = rejected = 0
+    for seed in range(4):
+        torch.manual_seed(seed)
+        routed = model.generate(ids, **kwargs)
+        drafts += router.last_stats.drafts_judged
+        rejected += router.last_stats.rejected_drafts
+        torch.manual_seed(seed)
+        assert torch.equal(routed, plain.generate(ids, **kwargs)), seed
+    assert drafts > 20 and rejected > 0  # drafts were judged, and some refused
+    first = router.generate(ids, seed=11, **kwargs).sequences
+    router.generate(first, seed=3, **kwargs)  # the store now holds other text to copy from
+    assert torch.equal(router.generate(ids, seed=11, **kwargs).sequences, first)
+
+
+def test_custom_generate_none_is_routed_and_a_seeded_plain_call_leaves_the_global_generator_as_it_was():
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **MIXED)
+    ids = prompt(0)
+    router.last_stats = None
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, custom_generate=None)  # a wrapper passing every arg
+    assert router.last_stats is not None and torch.equal(out, plain_generate(0, ids, max_new_tokens=8, do_sample=False))
+    state = torch.random.get_rng_state()
+    with router.disabled():
+        router.generate(ids, 8, do_sample=True, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_processors_stopping_criteria_streamer_and_dict_output_work_as_in_hf():
     model = tiny_llama(3)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **MIXED)

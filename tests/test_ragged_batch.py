@@ -164,18 +164,19 @@ def test_batched_sampling_in_verify_mode_runs_per_row():
 
 
 def test_the_per_row_sampling_rule_keeps_the_full_models_distribution():
-    """A copied draft x (q a point mass) is accepted with probability p(x), else the token is drawn from p without
-    x: the first emitted token follows p exactly, and the one after an accepted draft follows the next position's p."""
+    """A copied draft x is kept where the full model's draw with the position's noise is x, with probability p(x),
+    and otherwise that draw, from p without x, is the token: the first emitted token follows p exactly, and the one
+    after an accepted draft follows the next position's p."""
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)) * 3.0  # peaked laws: low noise
     p = torch.softmax(logits.double(), dim=-1)
     draft = [int(p[0].argmax()), int(p[1].argsort()[-2])]  # a likely but not certain first draft
-    drafts = torch.tensor(draft)
     generator = torch.Generator().manual_seed(0)
     runs = 6000
     first = torch.zeros(VOCAB, dtype=torch.float64)
     second = torch.zeros(VOCAB, dtype=torch.float64)
     for _ in range(runs):
-        verdicts, token = accept_sampled(torch.softmax(logits, dim=-1), None, drafts, generator)
+        noise = torch.empty(3, VOCAB).exponential_(generator=generator)  # each position's draw
+        verdicts, token = accept_sampled(torch.softmax(logits, dim=-1), noise, draft)
         accepted = sum(verdicts)
         first[draft[0] if accepted >= 1 else token] += 1
         if accepted >= 1:

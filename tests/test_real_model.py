@@ -128,16 +128,18 @@ def test_a_gguf_file_loads_through_the_same_cache():
 
 
 def test_cli_generate_prints_text_and_statistics(capsys):
-    assert main(["generate", "Say hi.", "--max-new-tokens", "6", "--mode", "verify", "--json", "--compare"]) == 0
-    out = capsys.readouterr().out
-    report = json.loads(out[out.index("{") :])
-    assert report["stats"]["new_tokens"] <= 6
-    assert report["compare"]["identical"] is True
+    args = ["generate", "Say hi.", "--max-new-tokens", "6", "--mode", "verify", "--json", "--compare", "--trace"]
+    assert main([*args, "--stream"]) == 0
+    report = json.loads(capsys.readouterr().out)  # stdout holds the JSON document alone
+    assert report["stats"]["new_tokens"] <= 6 and report["text"] and "<|" not in report["text"]
+    assert report["compare"]["identical"] is True and report["trace"]
+    sampled = ["generate", "Say hi.", "--max-new-tokens", "12", "--do-sample", "--seed", "5", "--json", "--compare"]
+    assert main(sampled) == 0
+    assert json.loads(capsys.readouterr().out)["compare"]["identical"] is True  # the same seed: the same draws
     # List options parse as layer lists; an empty list turns routing off.
     args = ["generate", "Say hi.", "--max-new-tokens", "4", "--json", "--active-exit-layers", "", "--ngram-tier"]
     assert main(args) == 0
-    out = capsys.readouterr().out
-    assert json.loads(out[out.index("{") :])["stats"]["exit_histogram"] in ({"29": 4}, {29: 4})
+    assert json.loads(capsys.readouterr().out)["stats"]["exit_histogram"] in ({"29": 4}, {29: 4})
 
 
 def test_cli_reports_bad_options_clearly(capsys):

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -21,6 +22,8 @@ from early_exit_router import EarlyExitRouter  # noqa: E402
 from early_exit_router.integrations.server.app import ServerSettings, create_app  # noqa: E402
 from early_exit_router.integrations.server.loadtest import running_server as serving  # noqa: E402
 from early_exit_router.integrations.server.text import TextTracker  # noqa: E402
+
+from .conftest import NEVER_EXIT, tiny_llama, tiny_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 MODEL = "smollm2-135m"
@@ -34,7 +37,7 @@ def smol():
 @contextmanager
 def running_server(router, **settings):
     """The server on a free loopback port (the load test's helper); yields its base URL and the app."""
-    app = create_app(router, ServerSettings(model_name=MODEL, **settings))
+    app = create_app(router, ServerSettings(**{"model_name": MODEL, **settings}))
     with serving(app) as url:
         yield url, app
 
@@ -199,6 +202,41 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, smo
     assert response.choices[0].text == alone(smol, "Hello", 4)
 
 
+def test_fields_that_ask_for_nothing_pass_and_the_rest_are_named(server, smol):
+    """SDKs send unimplemented fields as null or at their default: those pass. `logprobs: 0` asks for the chosen
+    tokens' log-probabilities, which this server does not give: refused, not ignored. A temperature too small to
+    divide by decodes greedily, as in vLLM."""
+    url, _ = server
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    nothing = {"logit_bias": None, "best_of": 1, "response_format": {"type": "text"}, "suffix": None, "tools": []}
+    status, answer, _ = post(url, "/v1/completions", {**body, **nothing})
+    assert status == 200 and answer["choices"][0]["text"] == alone(smol, "Hello", 4)
+    for field, value in (("logprobs", 0), ("best_of", 2), ("response_format", {"type": "json_object"})):
+        status, answer, _ = post(url, "/v1/completions", {**body, field: value})
+        assert status == 400 and field in answer["error"]["message"], field
+    status, answer, _ = post(url, "/v1/completions", {**body, "temperature": 1e-40, "seed": 3})
+    assert status == 200 and answer["choices"][0]["text"] == alone(smol, "Hello", 4)
+
+
+def test_a_chat_template_that_refuses_the_messages_answers_400():
+    """A template's raise_exception (roles that do not alternate, a system turn it has no place for) is the
+    request's fault: a 400 with the template's words, as vLLM answers, not a 500 the client would retry."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "w2 {{ m['content'] }} w3 {% endfor %}w4"
+    )
+    router = EarlyExitRouter.from_model(tiny_llama(0), tokenizer, exit_layers=[1, 3], **NEVER_EXIT)
+    with running_server(router, model_name="tiny") as (url, _):
+        twice = [{"role": "user", "content": "w5"}, {"role": "user", "content": "w6"}]
+        status, answer, _ = post(url, "/v1/chat/completions", {"model": "tiny", "messages": twice, "max_tokens": 2})
+        assert status == 400 and "must alternate" in answer["error"]["message"]
+        assert answer["error"]["param"] == "messages"
+        status, _, _ = post(url, "/v1/chat/completions", {"model": "tiny", "messages": twice[:1], "max_tokens": 2})
+        assert status == 200
+
+
 def test_overload_answers_503_with_retry_after(smol):
     with running_server(smol, max_queue=1, max_running=1) as (url, _):
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0}
@@ -288,6 +326,81 @@ def test_stop_strings_end_batched_and_single_requests_alike(server, smol):
             if ch.choices
         )
         assert streamed == expected
+
+
+def test_a_stop_string_the_client_sees_across_a_special_token_ends_the_decode_there():
+    """The client's text skips special tokens: a stop string that spans one (not EOS) ends the completion, its
+    token count and the decode at the token that completes it, as vLLM stops."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(0)
+    ids = torch.tensor([[5, 17, 33, 41, 9, 22, 61]])
+    new = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert new[:4] == [90, 19, 36, 42] and 36 not in new[3:]  # greedy, on which the stop below depends
+    tokenizer.add_special_tokens({"additional_special_tokens": ["w36"]})  # the text reads "w90 w19 w42 w24 ..."
+    router = EarlyExitRouter.from_model(model, tokenizer, exit_layers=[1, 3], **NEVER_EXIT)
+    with running_server(router, model_name="tiny") as (url, _):
+        for extra in ({}, ALONE):  # batched, and on a decoder of its own
+            response = client(url).completions.create(
+                model="tiny", prompt=tokenizer.decode(ids[0]), max_tokens=16, temperature=0, stop=["w19 w42"],
+                extra_body=extra,
+            )  # fmt: skip
+            assert response.choices[0].text == " w90 " and response.choices[0].finish_reason == "stop"
+            assert response.usage.completion_tokens == 4  # w90 w19 w36 w42: the stop's last token ends the decode
+
+
+def metaspace_tokenizer():
+    """tiny_tokenizer's words under a decoder that strips a text's leading space, as Llama-2's and Mistral's do."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(WordLevel({"<bos>": 0, "<unk>": 1, **{f"\u2581w{i}": i for i in range(2, 96)}}, "<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<bos>")
+
+
+def test_text_pieces_fed_token_by_token_add_up_to_the_decoded_text(smol):
+    """Characters split over several byte-level tokens are held back until complete; stretches of any length add
+    up to what decoding the whole completion gives."""
+    tokenizer = smol.tokenizer
+    text = "Größe: 東京タワー 🗼🎉 — naïve café, ünïcödé ✓ end"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert any("\ufffd" in tokenizer.decode(ids[:k]) for k in range(1, len(ids)))  # a character spans tokens
+    for stretch in (1, 2, 5):
+        tracker, sent = TextTracker(tokenizer, ()), ""
+        for k in range(0, len(ids), stretch):
+            piece = tracker.add(ids[k : k + stretch])
+            assert "\ufffd" not in piece
+            sent += piece
+        assert sent + tracker.finish() == tracker.text == text
+
+
+def test_the_completion_text_reads_as_it_continues_the_prompt():
+    """The first token's leading space survives a decoder that strips a text's leading space (the completion is
+    decoded after the prompt's last tokens, as vLLM decodes), and a stop string that begins with it matches there."""
+    tokenizer = metaspace_tokenizer()
+    model = tiny_llama(0)
+    ids = torch.tensor([[5, 17, 33, 41, 9, 22, 61]])
+    new = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
+    prompt = tokenizer.decode(ids[0])
+    whole = tokenizer.decode(ids[0].tolist() + new)
+    assert whole.startswith(prompt + " ") and not tokenizer.decode(new).startswith(" ")
+    router = EarlyExitRouter.from_model(model, tokenizer, exit_layers=[1, 3], **NEVER_EXIT)
+    with running_server(router, model_name="tiny") as (url, _):
+        c = client(url)
+        for extra in ({}, ALONE):
+            text = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body=extra)
+            assert text.choices[0].text == whole[len(prompt) :]
+            streamed = c.completions.create(
+                model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body=extra, stream=True
+            )  # fmt: skip
+            assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == whole[len(prompt) :]
+            first = f" w{new[0]}"
+            stopped = c.completions.create(
+                model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body=extra, stop=[first]
+            )  # fmt: skip
+            assert stopped.choices[0].text == "" and stopped.usage.completion_tokens == 1
 
 
 def test_api_key_is_required_when_set(smol):

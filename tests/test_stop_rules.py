@@ -180,9 +180,10 @@ def test_a_stop_string_may_begin_in_the_prompt_and_one_wholly_in_it_ends_nothing
     again = text.index("w41 w9")  # in the prompt and again in the output: that occurrence stops
     assert stopped("w41 w9") == new[: text[:again].count(" ") + 2]  # the words before it, then its two
     # The server's OpenAI `stop` looks at the completion's own text only.
-    completion_only = DecodeRequest(12, stop_strings=("w17 w36",), tokenizer=tokenizer, stop_strings_see_prompt=False)
+    completion_only = DecodeRequest(12, stop_strings=("w17 w36",), tokenizer=tokenizer, stop_strings_from=2)
     assert not ends_generation(completion_only, [5, 17, 36], 2, lambda: ids)
-    assert ends_generation(dataclasses.replace(completion_only, stop_strings_see_prompt=True), [5, 17, 36], 2, None)
+    assert ends_generation(dataclasses.replace(completion_only, stop_strings_from=None), [5, 17, 36], 2, None)
+    assert ends_generation(completion_only, [5, 17, 36, 17, 36], 4, None)  # from index 2 on, whatever the prompt
 
 
 class Latching(StoppingCriteria):

@@ -52,7 +52,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="Also run plain HF generate on the same prompt and report the speed ratio and token match.",
     )
-    gen.add_argument("--json", action="store_true", help="Print the statistics as JSON instead of a summary.")
+    gen.add_argument(
+        "--json", action="store_true", help="Print one JSON document (text, statistics, comparison, trace) alone."
+    )
     gen.add_argument(
         "--trace",
         action="store_true",
@@ -72,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
     print(router.describe(), file=sys.stderr)
     chat = args.chat and router.tokenizer is not None and bool(getattr(router.tokenizer, "chat_template", None))
     input_ids = router.encode(args.prompt, chat=chat)
-    streamer = TextStreamer(router.tokenizer, skip_prompt=True) if args.stream and router.tokenizer else None
+    streamer = None
+    if args.stream and not args.json and router.tokenizer:  # --json: stdout holds the JSON document alone
+        streamer = TextStreamer(router.tokenizer, skip_prompt=True, skip_special_tokens=True)
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
@@ -85,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     out = router.generate(input_ids, streamer=streamer, **kwargs)
     new_ids = out.sequences[0, input_ids.shape[1] :]
     text = router.tokenizer.decode(new_ids, skip_special_tokens=True) if router.tokenizer else str(new_ids.tolist())
-    report: dict[str, Any] = {"stats": out.stats.to_dict()}
-    if not args.stream:
+    report: dict[str, Any] = {"text": text, "stats": out.stats.to_dict()}
+    if not args.stream and not args.json:
         print(text)
     if args.compare:
         with router.disabled():
@@ -110,9 +114,12 @@ def run(args: argparse.Namespace) -> int:
         coloured, plain = render_trace(
             router.tokenizer, new_ids.tolist(), out.depths, router.model.config.num_hidden_layers, router.exit_layers
         )
-        print("\n--- trace ---")
-        print(trace_legend(router.model.config.num_hidden_layers, router.exit_layers, out.depths, colour))
-        print(coloured if colour else plain)
+        if args.json:
+            report["trace"] = plain
+        else:
+            print("\n--- trace ---")
+            print(trace_legend(router.model.config.num_hidden_layers, router.exit_layers, out.depths, colour))
+            print(coloured if colour else plain)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -217,18 +217,12 @@ def greedy_row(dec: DecodeState, r: int, row: Row, logits: torch.Tensor, first: 
 def _sample_row(
     dec: DecodeState, r: int, row: Row, logits: torch.Tensor, first: int, drafts: list[int]
 ) -> tuple[list[bool], int | None]:
-    """Row r's verdicts and next token under speculative sampling."""
-    scores = _scores(dec, r, row, logits, first)
-    laws = [row.drafts[first + j].q for j in range(len(drafts))]
-    drafted = torch.tensor(drafts, dtype=torch.long, device=logits.device)
-    q = None
-    if any(law is not None for law in laws):  # copies among sampled drafts: a point mass each
-        q = torch.zeros(len(drafts), scores.shape[-1], dtype=scores.dtype, device=scores.device)
-        q[torch.arange(len(drafts)), drafted] = 1.0
-        for j, law in enumerate(laws):
-            if law is not None:
-                q[j] = law
-    return accept_sampled(torch.softmax(scores, dim=-1), q, drafted, row.selector.generator)
+    """Row r's verdicts and next token when sampling: the full model's draw at each position, with the position's
+    noise, keeps a draft where it equals it (`verify.accept_sampled`)."""
+    scores = _scores(dec, r, row, logits, first)  # (m, vocab)
+    start = len(row.new_tokens) - len(drafts)  # the first draft's position
+    noise = torch.stack([row.noise_at(start + j, scores.shape[-1], scores.device) for j in range(scores.shape[0])])
+    return accept_sampled(torch.softmax(scores, dim=-1), noise, drafts)
 
 
 def _scores(dec: DecodeState, r: int, row: Row, logits: torch.Tensor, first: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import time
 import torch
 
 from early_exit_router.decode.drafters import NGRAM_LAYER
-from early_exit_router.decode.emit import append, choose, embed, row_ids
+from early_exit_router.decode.emit import append, choose, embed
 from early_exit_router.decode.state import DecodeState, Draft, Row, VerifyCycle
 from early_exit_router.heads.gates import uses_head
 from early_exit_router.routing.ngram import NO_PROPOSAL, ContextIndex, Proposal
@@ -89,8 +89,7 @@ def try_exit(
             return False
     logits = dec.exit_drafter.logits(i, last, dec.fill.blocks)  # (b, vocab)
     # Greedy: choose before deciding, so that one host sync fetches the decision and the tokens together.
-    # Sampling: draw only once the tokens exit, so the generator serves emitted tokens alone (never-exit sampling
-    # then draws exactly what HF sampling draws from the same seed).
+    # Sampling: draw only once the tokens exit (each position's noise is its own, drawn when first needed).
     sampling = any(row.selector.params.do_sample for row in dec.rows)
     tokens = None if sampling else choose(dec, q + 1, logits)
     chosen: list[float] = []
@@ -119,12 +118,8 @@ def try_exit(
         dec.cycle = VerifyCycle(q)
     for r, row in enumerate(dec.rows):
         if not row.done:
-            law = None
-            if verified and row.selector.params.do_sample:
-                scores = row.selector.scores(row_ids(dec, r, q + 1), logits[r : r + 1])
-                law = torch.softmax(scores, dim=-1)[0]
             others = tuple(int(t) for t in ranked if int(t) != ids[r])[:alternatives]
-            row.drafts[q] = Draft(i, key or ("exit", i), law, others)
+            row.drafts[q] = Draft(i, key or ("exit", i), others)
     append(dec, tokens, ids, dec.exits[i], logits)
     return True
 
@@ -223,8 +218,7 @@ def append_ngram(dec: DecodeState, proposals: list[Proposal | None]) -> int:
             break
         for row, token, proposal in zip(dec.rows, column, proposals):
             if token is not None:
-                law = _point_mass(vocab, token, device) if verified and row.selector.params.do_sample else None
-                row.drafts[q + width] = Draft(tier, ("ngram", proposal.match_class), law)
+                row.drafts[q + width] = Draft(tier, ("ngram", proposal.match_class))
                 row.drafted += 1
         ids = [dec.pad_token_id if t is None else t for t in column]
         logits = None
@@ -237,10 +231,3 @@ def append_ngram(dec: DecodeState, proposals: list[Proposal | None]) -> int:
         drafting = [on and t is not None and row.stop_at is None for on, t, row in zip(drafting, column, dec.rows)]
     dec.fill.queue(embed(dec, q, width))  # (b, width, hidden): slots q..q+width-1
     return width
-
-
-def _point_mass(vocab: int, token: int, device: torch.device) -> torch.Tensor:
-    """A copied token's draft law when sampling in a verify cycle: all mass on it."""
-    q = torch.zeros(vocab, device=device)
-    q[token] = 1.0
-    return q

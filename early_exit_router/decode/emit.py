@@ -32,16 +32,27 @@ def ids_through(dec: DecodeState, r: int, count: int) -> torch.Tensor:
 
 
 def choose(dec: DecodeState, end: int, logits: torch.Tensor) -> torch.Tensor:
-    """(b, vocab) -> (b,) tokens, each row by its own selector (one call when they share one or are all plain
-    greedy); processors see the ids before slot `end`."""
+    """(b, vocab) -> (b,) each row's next token, by its own selector (one call when they share one or are all plain
+    greedy); processors see the ids before slot `end`. A sampling row draws with its next position's noise."""
     rows, first = dec.rows, dec.rows[0].selector
+    sampling = any(r.selector.params.do_sample for r in rows)
     shared = all(r.selector is first for r in rows)
     plain = all(not r.selector.params.do_sample and not r.selector.processors for r in rows)
-    if not dec.slots.holes and (shared or plain):
+    if not dec.slots.holes and not sampling and (shared or plain):
         return first.choose(dec.slots.seq[:, :end], logits).reshape(-1)
-    return torch.cat(
-        [r.selector.choose(row_ids(dec, k, end), logits[k : k + 1]).reshape(1) for k, r in enumerate(rows)]
-    )
+    return torch.cat([choose_row(dec, k, end, logits[k : k + 1]).reshape(1) for k in range(len(rows))])
+
+
+def choose_row(dec: DecodeState, r: int, end: int, logits: torch.Tensor, after: int = 0) -> torch.Tensor:
+    """(1, vocab) -> (1,) row r's token `after` positions past its newest, its processors seeing the ids before slot
+    `end`."""
+    row = dec.rows[r]
+    if row.done:  # its slot is padded: no draw from a generator rows may share
+        return logits.argmax(dim=-1)
+    noise = None
+    if row.selector.params.do_sample:
+        noise = row.noise_at(len(row.new_tokens) + after, logits.shape[-1], logits.device)
+    return row.selector.choose(row_ids(dec, r, end), logits, noise)
 
 
 def append(

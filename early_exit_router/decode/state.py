@@ -22,7 +22,7 @@ import torch
 from early_exit_router.config import RouterConfig
 from early_exit_router.decode.batch import Slots
 from early_exit_router.decode.drafters import ExitDrafter, SuffixDrafter
-from early_exit_router.decode.sampling import TokenSelector
+from early_exit_router.decode.sampling import SamplingNoise, TokenSelector
 from early_exit_router.decode.segments import LayerwiseFill
 from early_exit_router.decode.stats import AgreementMonitor, PassCounters, RowCounters
 from early_exit_router.decode.stopping import DecodeRequest, StreamFrontier
@@ -40,7 +40,6 @@ class Draft:
 
     tier: int  # the exit's index, or the n-gram tier's (after the exits)
     key: TierKey  # the acceptance estimate its verdict updates
-    q: torch.Tensor | None = None  # sampling in a verify cycle: (vocab,) the law it was drawn from (None: a copy)
     alternatives: tuple[int, ...] = ()  # an exit tree's: the exit head's next choices after this draft
 
 
@@ -78,6 +77,14 @@ class Row:
     # The suffix drafter's view of this context for the gates: (context length, the token it would copy or -1).
     ngram_memo: tuple[int, int] = (-1, -1)
     index: ContextIndex | None = None  # the n-gram tier's index of `tokens` (built at the first lookup)
+    noise: SamplingNoise | None = None  # sampling: each new token's draw (built at the first)
+
+    def noise_at(self, position: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """(vocab,) the sampling noise of new token `position` (see `SamplingNoise`); final tokens' draws go."""
+        if self.noise is None:
+            self.noise = SamplingNoise(self.selector.generator)
+        self.noise.release(self.final - self.prompt_len)
+        return self.noise.at(position, vocab, device)
 
     @property
     def new_tokens(self) -> list[int]:

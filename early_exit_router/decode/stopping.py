@@ -37,9 +37,13 @@ class DecodeRequest:
     streamer: Any = None  # transformers BaseStreamer, or None
     tokenizer: Any = None  # needed for stop_strings
     output_logits: bool = False
-    # A stop string may begin in the prompt, as in HF's `generate`; the server's OpenAI `stop` looks at the
-    # completion's text only (False).
-    stop_strings_see_prompt: bool = True
+    # A stop string may begin in the prompt, as in HF's `generate` (None); the server's OpenAI `stop` looks at the
+    # completion's text only: the text of the tokens from this index on (the prompt's before it are decoded with
+    # them, so the first token's text is as it reads after the prompt).
+    stop_strings_from: int | None = None
+    # Stop strings are matched in the text with its special tokens, as HF's StopStringCriteria matches; the server
+    # matches in the text its client receives, without them (True), as vLLM does.
+    stop_strings_skip_special: bool = False
 
     def after_padding(self, padding: torch.Tensor) -> DecodeRequest:
         """This request for a batch row decoded without its (1, k) left padding: its stopping criteria see the padding
@@ -97,8 +101,7 @@ def ends_generation(
     new = len(tokens) - prompt_len
     ended = new >= request.max_new_tokens or (bool(new) and tokens[-1] in request.eos_token_ids)
     if not ended and request.stop_strings and new:
-        first = 0 if request.stop_strings_see_prompt else prompt_len
-        ended = _stop_string_ends_here(request, tokens[max(first, len(tokens) - request.stop_string_tail) :])
+        ended = _stop_string_ends_here(request, tokens)
     # The criteria see every final token, the one another rule stops at too, as HF's StoppingCriteriaList calls
     # each of its criteria at every step.
     return (final and criteria_stop(request, input_ids)) or ended
@@ -113,14 +116,20 @@ def criteria_stop(request: DecodeRequest, input_ids: Callable[[], torch.Tensor])
     return bool(torch.as_tensor(request.stopping_criteria(input_ids(), None)).any())
 
 
-def _stop_string_ends_here(request: DecodeRequest, tail: list[int]) -> bool:
-    """Whether a stop string ends in the text of `tail`'s last token, as HF's `StopStringCriteria` matches: it may
-    begin in earlier tokens, the prompt's too, but one found wholly before the last token does not count (a stop
-    string in the prompt ends nothing; its next occurrence does)."""
-    text = request.tokenizer.decode(tail)
-    before = request.tokenizer.decode(tail[:-1])
+def _stop_string_ends_here(request: DecodeRequest, tokens: list[int]) -> bool:
+    """Whether a stop string ends in the text of the last of `tokens`, as HF's `StopStringCriteria` matches: it may
+    begin in earlier tokens, the prompt's too (from `stop_strings_from` on, where set), but one found wholly before
+    the last token does not count (a stop string in the prompt ends nothing; its next occurrence does)."""
+
+    def decode(ids: list[int]) -> str:
+        return request.tokenizer.decode(ids, skip_special_tokens=request.stop_strings_skip_special)
+
+    low = max(len(tokens) - request.stop_string_tail, 0)
+    text, before = decode(tokens[low:]), decode(tokens[low:-1])
     shared = len(os.path.commonprefix([before, text]))  # text[shared:] is what the last token added
-    return any(text.find(s, max(0, shared - len(s) + 1)) >= 0 for s in request.stop_strings)
+    first = request.stop_strings_from
+    floor = len(decode(tokens[low:first])) if first is not None and first > low else 0  # where a stop may begin
+    return any(text.find(s, max(floor, shared - len(s) + 1)) >= 0 for s in request.stop_strings)
 
 
 class StreamFrontier:

@@ -219,14 +219,19 @@ def _chooser(dec: DecodeState, tree: TokenTree, logits: torch.Tensor, q: int) ->
     its node, and keeps a drafted child exactly when the draw is that child: for copied drafts, this is the
     speculative-sampling rule (accept x with probability p(x), else draw from p without x), so the output's law is
     the full model's."""
-    selector = dec.rows[0].selector
+    row = dec.rows[0]
+    selector = row.selector
     if not selector.params.do_sample and not selector.processors:
         choices = logits.argmax(dim=-1).tolist()
         return lambda node, path: choices[node + 1]
     before = row_ids(dec, 0, q + 1)  # (1, n): the ids up to the root, the current token
+    position = len(row.new_tokens)  # the first node's: a node at depth d draws with position + d's noise
 
     def choose(node: int, path: list[int]) -> int:
         drafted = torch.tensor([[tree.tokens[i] for i in path]], dtype=before.dtype, device=before.device)
-        return int(selector.choose(torch.cat([before, drafted], dim=1), logits[node + 1 : node + 2]))
+        noise = None
+        if selector.params.do_sample:
+            noise = row.noise_at(position + len(path), logits.shape[-1], logits.device)
+        return int(selector.choose(torch.cat([before, drafted], dim=1), logits[node + 1 : node + 2], noise))
 
     return choose

@@ -131,8 +131,9 @@ class SavedRouter:
         for key, value in fixed.items():
             if overrides.get(key, value) != value or getattr(config, key) != value:
                 raise ValueError(
-                    f"The saved heads have {key}={value!r}; they cannot be loaded with another {key}. "
-                    "Train new heads for a different layout."
+                    f"The saved heads have {key}={value!r}; they cannot be loaded with another {key}. To change "
+                    "routing settings only, pass them as keywords (from_pretrained(path, mode='exit')), which keep "
+                    "the heads' layout; for another layout, train new heads."
                 )
 
 

@@ -128,6 +128,7 @@ class RoutedGenerate:
                                  "with one (EarlyExitRouter.from_model(model, tokenizer, ...)).")  # fmt: skip
             extra["stop_strings"] = None  # the highest-priority setting: HF builds no criterion of its own
         decode = functools.partial(_routed_decoding, self.router, streamer=streamer, stops=(stops, tokenizer))
+        named.pop("custom_generate", None)  # None (a wrapper that passes every argument): ours takes its place
         return self._plain(model, **named, custom_generate=decode, **extra)
 
     def _routable(self, named: dict[str, Any], extra: dict[str, Any]) -> Any:
@@ -185,7 +186,11 @@ def _routed_decoding(
     # HF hands stopping criteria the scores so far only when per-step scores are asked for (else None, as the router
     # does): a caller's own criteria may then read them.
     scored = want_scores and any(not isinstance(c, PER_ROW_CRITERIA) for c in stopping_criteria or ())
-    if plain_cache or per_batch or unpadded or scored:
+    # A batch whose rows decode one after another would run them all on HF's one max_time clock: the first row
+    # could spend it all, where HF's batch gives every row the same steps.
+    timed = any(isinstance(c, MaxTimeCriteria) for c in stopping_criteria or ())
+    timed_alone = batched and timed and not router.can_batch(None, mode, bool(generation_config.do_sample))
+    if plain_cache or per_batch or unpadded or scored or timed_alone:
         if streamer is not None:  # generate() skipped the prompt's put: the streamer was ours to handle
             streamer.put(input_ids.cpu())
         if stops[0]:
@@ -269,12 +274,16 @@ def plain_generate(
     )
     if params.do_sample:
         kwargs.update(temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p or 1.0)
-        if params.seed is not None:
+    # HF samples from the global generator: a seed is set on it for this call only, and the caller's state comes back
+    seeded = params.do_sample and params.seed is not None
+    device = input_ids.device
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, enabled=seeded), torch.no_grad():
+        if seeded:
             torch.manual_seed(params.seed)
-    start = time.perf_counter()
-    with torch.no_grad():
+        start = time.perf_counter()
         out = model.generate(input_ids, **kwargs)
-    wall = time.perf_counter() - start
+        wall = time.perf_counter() - start
     new = out.sequences.shape[1] - input_ids.shape[1]
     logits = tuple(out.logits) if kwargs.get("output_logits") and out.logits is not None else None
     full = num_layers - 1

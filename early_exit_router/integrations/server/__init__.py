@@ -1,5 +1,5 @@
-"""The OpenAI-compatible server (`early-exit-router serve`). Needs the `serve` extra: FastAPI, uvicorn and
-prometheus-client."""
+"""The OpenAI-compatible server (`early-exit-router serve`). Needs the `serve` extra: FastAPI, uvicorn,
+prometheus-client and jinja2."""
 
 from __future__ import annotations
 

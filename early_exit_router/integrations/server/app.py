@@ -24,6 +24,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
+from jinja2 import TemplateError
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -31,7 +32,12 @@ from early_exit_router.decode.sampling import SamplingParams
 from early_exit_router.integrations.server import encoding
 from early_exit_router.integrations.server.errors import ApiError, install_error_handlers
 from early_exit_router.integrations.server.guards import ApiKeyGuard, BodyLimit
-from early_exit_router.integrations.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from early_exit_router.integrations.server.protocol import (
+    GREEDY_TEMPERATURE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+)
 from early_exit_router.integrations.server.scheduler import Job, JobResult, QueueFull, Scheduler
 
 __all__ = ["ApiError", "ServerSettings", "create_app"]
@@ -131,7 +137,11 @@ def create_app(router: Any, settings: ServerSettings) -> FastAPI:
         if not getattr(router.tokenizer, "chat_template", None):
             raise ApiError(400, "This model's tokenizer has no chat template: use /v1/completions.")
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
-        ids = await asyncio.to_thread(encoding.encode_chat, router.tokenizer, messages)
+        try:
+            ids = await asyncio.to_thread(encoding.encode_chat, router.tokenizer, messages)
+        except TemplateError as error:  # the template's raise_exception: roles out of order, a system turn it lacks
+            message = f"The model's chat template refuses these messages: {error}"
+            raise ApiError(400, message, param="messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = _job(router, settings, body, ids, max_tokens)
         return await _respond(request, scheduler, settings, job, body, chat=True)
@@ -178,7 +188,7 @@ def _job(router: Any, settings: ServerSettings, body: Any, ids: torch.Tensor, ma
     except (ValueError, TypeError) as error:
         raise ApiError(400, str(error), param="early_exit") from None
     mode = (options.mode if options else None) or config.mode
-    greedy = body.temperature == 0.0
+    greedy = body.temperature < GREEDY_TEMPERATURE
     params = SamplingParams(
         do_sample=not greedy,
         temperature=1.0 if greedy else body.temperature,

@@ -1,7 +1,8 @@
 """The OpenAI-compatible request bodies the server accepts, validated with pydantic, and its error bodies.
 
 Fields the OpenAI API defines but this server does not implement (several choices, log-probabilities, penalties,
-echo, tools) are refused with a 400 that names them, rather than silently ignored. `early_exit` is this server's
+echo, tools) are refused with a 400 that names them, rather than silently ignored, unless they are null or ask for
+nothing (`NOTHING_ASKED`). `early_exit` is this server's
 extension: per-request routing (mode and thresholds), passed by the `openai` client as `extra_body`.
 
 Types are strict (`max_tokens: "8"` or `use_gate: "yes"` is refused, not coerced), floats must be finite (JSON's
@@ -27,6 +28,20 @@ REQUEST_ROUTING_FIELDS = (
     "policy",
     "check_fraction",
 )
+# Fields this server does not implement, at the value that asks for nothing (SDKs send some of them at every call):
+# accepted, as null is for any field.
+NOTHING_ASKED = {
+    "best_of": 1,
+    "logit_bias": {},
+    "top_logprobs": 0,
+    "response_format": {"type": "text"},
+    "suffix": "",
+    "tools": [],
+    "functions": [],
+    "tool_choice": "none",
+}
+# Below this temperature, sampling is greedy decoding (as vLLM treats it): dividing logits by it would overflow.
+GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as OpenAI documents `seed` (torch takes no wider)
 STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # no coercion of "8" to 8, no NaN or infinity
 
@@ -115,10 +130,11 @@ class _Common(BaseModel):
 
     def unsupported(self) -> list[str]:
         """Set fields this server does not implement (a 400 names them)."""
-        names = list(self.model_extra or {})
+        extra = (self.model_extra or {}).items()
+        names = [k for k, v in extra if v is not None and (k not in NOTHING_ASKED or v != NOTHING_ASKED[k])]
         if self.n != 1:
             names.append("n")
-        if self.logprobs not in (None, False):
+        if self.logprobs is not None and self.logprobs is not False:  # completions' 0 asks for the chosen tokens'
             names.append("logprobs")
         if self.presence_penalty or self.frequency_penalty:
             names.append("presence_penalty/frequency_penalty")

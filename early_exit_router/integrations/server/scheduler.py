@@ -323,7 +323,7 @@ class Scheduler:
                 self.stats.requests_cancelled += 1
                 continue
             try:  # this request's own parts (a seed torch refuses fails here): the batch is untouched
-                tracker = TextTracker(self.router.tokenizer, job.stop)
+                tracker = TextTracker(self.router.tokenizer, job.stop, job.input_ids[0].tolist())
                 request = self._decode_request(job, tracker, job.max_new_tokens)
                 selector = TokenSelector(job.params, self.router.stack.device)
             except Exception as error:
@@ -399,7 +399,8 @@ class Scheduler:
             stop_strings=job.stop,
             streamer=_JobStreamer(job, tracker, self),
             tokenizer=self.router.tokenizer,
-            stop_strings_see_prompt=False,  # OpenAI's `stop` ends the completion only where its own text has one
+            stop_strings_from=job.input_ids.shape[1],  # OpenAI's `stop` ends the completion where its text has one
+            stop_strings_skip_special=True,  # the text the tracker sends: a stop the client sees ends the decode
         )
 
     def _admit(self, job: Job, tracker: TextTracker | None = None, sent: list[int] | None = None) -> None:
@@ -410,7 +411,7 @@ class Scheduler:
             return
         sent = sent or []
         try:
-            tracker = tracker or TextTracker(self.router.tokenizer, job.stop)
+            tracker = tracker or TextTracker(self.router.tokenizer, job.stop, job.input_ids[0].tolist())
             request = self._decode_request(job, tracker, job.max_new_tokens - len(sent))
             ids = job.input_ids
             if sent:
