@@ -31,10 +31,12 @@ from early_exit_router.heads.checkpoint import (
     base_identity,
     heads_from_saved,
     is_router_dir,
+    load_router,
     save_router,
+    saved_base,
     saved_router,
 )
-from early_exit_router.heads.exit_heads import ExitHeads, build_heads
+from early_exit_router.heads.exit_heads import UNTRAINED_EXIT_MODE, ExitHeads, build_heads
 from early_exit_router.integrations import hf_generate
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
@@ -101,27 +103,31 @@ class EarlyExitRouter:
         *,
         name_or_path: str | None = None,
         pack_weights: bool = True,
+        heads: str | Path | None = None,
         **overrides: Any,
     ) -> EarlyExitRouter:
-        """Attach fresh (untrained) exit heads to `model` in place; no weight is copied.
+        """Attach fresh (untrained) exit heads to `model` in place, or with `heads` (a `save_pretrained` folder, or
+        an alias with shipped heads) those trained heads, checked against `model`; no weight is copied.
 
-        `overrides` replace fields of `config` (e.g. `exit_layers=[10, 20]`). Everything is validated before the
-        model is touched, so an error leaves it exactly as it was. `pack_weights=False` keeps the router's own
-        passes on the model's products where they would run from prepacked weights (`LayerStack.use_packed_weights`:
-        on a CPU, float32 and bf16 where it computes bf16 natively; faster verify passes, at about one more copy of
-        the weights' memory).
+        `overrides` replace fields of `config` (`exit_layers=[10, 20]`). All is checked before the model is touched:
+        an error leaves it as it was. `pack_weights=False` keeps the router's passes on the model's own products
+        (`LayerStack.use_packed_weights`: on a CPU, prepacked float32 and native bf16 weights, for faster passes at
+        about one more copy of the weights' memory).
         """
         _compat.check_supported()
-        config = (config or RouterConfig()).replace(**overrides) if overrides else (config or RouterConfig())
         hf_generate.check_patchable(model)
-        stack = stack_for(model)
-        exit_layers = config.resolved_exit_layers(stack.num_layers)
-        # Fresh heads are the logit lens, whatever a reused config says.
-        config = config.replace(exit_layers=exit_layers, heads_trained=False)
-        heads = build_heads(stack, config, exit_layers)
         name = name_or_path or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        name = str(Path(name).resolve()) if Path(name).exists() else name  # a relative path: from anywhere later
+        if heads is not None:
+            saved = saved_router(str(heads)) or load_router(heads)  # load_router says what is missing
+            return cls._from_saved(model, tokenizer, saved, config, name, pack_weights, **overrides)
+        config = (config or RouterConfig()).replace(**overrides) if overrides else (config or RouterConfig())
+        stack = stack_for(model)
+        exit_layers = config.resolved_exit_layers(stack.num_layers)  # fresh heads: the logit lens, whatever it says
+        config = config.replace(exit_layers=exit_layers, heads_trained=False)
+        fresh = build_heads(stack, config, exit_layers)
         stack.use_packed_weights(pack_weights)
-        return cls(model, tokenizer, config, heads, stack, name)._patched()
+        return cls(model, tokenizer, config, fresh, stack, name)._patched()
 
     @classmethod
     def from_pretrained(
@@ -150,7 +156,7 @@ class EarlyExitRouter:
         """
         dtype = parse_dtype(dtype)
         saved = saved_router(str(name_or_path))
-        source = saved.identity.name_or_path if is_router_dir(str(name_or_path)) else str(name_or_path)
+        source = saved_base(str(name_or_path), saved) if is_router_dir(str(name_or_path)) else str(name_or_path)
         model, tokenizer, name = load_base_model(source, dtype, device, quantize)
         if saved is None or fresh_heads:
             router = cls.from_model(model, tokenizer, config, name_or_path=name, pack_weights=pack_weights, **overrides)
@@ -345,8 +351,8 @@ class EarlyExitRouter:
         mode: str | None = None,
         *,
         config: RouterConfig | Mapping[str, Any] | None = None,
-        do_sample: bool = False,
-        temperature: float = 1.0,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
@@ -360,13 +366,14 @@ class EarlyExitRouter:
     ) -> GenerationOutput:
         """Generate with early exit. Arguments follow HF `generate`; `mode` is 'exit' or 'verify'.
 
-        `input_ids` is a LongTensor (b, n) (left-padded, with `attention_mask`, for several rows), or a string when a
-        tokenizer is attached. `config` sets this call's routing without touching `router.config`: a `RouterConfig`,
-        or a mapping of fields to change (e.g. `{"high_conf_threshold": 0.8}`). `eos_token_id` defaults to the
-        model's generation config. `seed` makes sampling reproducible. Stopping criteria see one row, (1, n), at each
-        final token (never a draft), and None as scores, as HF's generate hands them without per-step scores.
-        Inside `disabled()`, this runs plain HF generation (same arguments) and reports every token at full depth.
-        Calls from several threads are served one after another.
+        `input_ids`: a LongTensor (b, n) (left-padded, with `attention_mask`, for several rows), or a string when a
+        tokenizer is attached. `config` sets this call's routing, not `router.config`: a `RouterConfig`, or a mapping
+        of fields to change (`{"high_conf_threshold": 0.8}`). Unset `eos_token_id`, `do_sample`, `temperature`,
+        `top_k` and `top_p` come from the model's generation config, as in HF (top_k 50 unless set; 0 turns it off);
+        its other fields (repetition_penalty, ...) apply through the patched `model.generate`. With `seed`, verify
+        mode samples the tokens HF samples after `torch.manual_seed(seed)`, whatever was drafted. Stopping criteria
+        see one row, (1, n), at each final token (never a draft), and None as scores, as HF hands them. Inside
+        `disabled()`, this runs plain HF generation. Calls from several threads are served one after another.
         """
         if self._state == "unpatched":
             raise RuntimeError("This router was unpatched: build a new one with EarlyExitRouter.from_model(model).")
@@ -376,7 +383,7 @@ class EarlyExitRouter:
             input_ids = self.encode(input_ids)
         input_ids, attention_mask = self.check_input_ids(input_ids, attention_mask)
         check_length(input_ids.shape[1], max_new_tokens, self.context_length)
-        params = SamplingParams(do_sample, temperature, top_k, top_p, seed)
+        params = SamplingParams.unset_from(self._model, do_sample, temperature, top_k, top_p, seed)
         stop_strings = as_stop_strings(stop_strings)
         if stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: build the router with one.")
@@ -390,13 +397,7 @@ class EarlyExitRouter:
             )  # fmt: skip
         if mode == "exit" and not self.config.heads_trained and not self._warned_untrained:
             self._warned_untrained = True
-            warnings.warn(
-                "Exit mode with UNTRAINED exit heads (the logit lens): shallow layers of off-the-shelf models are "
-                "confidently wrong, so exited tokens often differ from the full model's. Load trained heads, or "
-                "use mode='verify' for output identical to the full model.",
-                UserWarning,
-                stacklevel=2,
-            )
+            warnings.warn(UNTRAINED_EXIT_MODE, UserWarning, stacklevel=2)
         request = DecodeRequest(max_new_tokens, frozenset(eos), stop_strings, as_criteria(stopping_criteria),
                                 streamer, self.tokenizer, output_logits)  # fmt: skip
         selector = TokenSelector(params, self.stack.device, logits_processor)
@@ -513,7 +514,7 @@ class EarlyExitRouter:
             self._ngram_store = None
             try:
                 ids = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4]], device=self.stack.device) % self.stack.vocab_size
-                self.generate(ids, new_tokens, mode="verify")
+                self.generate(ids, new_tokens, mode="verify", do_sample=False)
             finally:
                 self._ngram_store, self.last_stats = store, last
 

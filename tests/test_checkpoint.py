@@ -65,6 +65,31 @@ def test_saved_heads_stay_trained_under_a_config_of_the_callers_and_another_layo
         EarlyExitRouter._from_saved(tiny_llama(0), None, saved, RouterConfig(mode="exit"), "x")
 
 
+def test_saved_heads_go_on_a_model_the_caller_loaded_from_anywhere(tmp_path, monkeypatch):
+    """`from_model(model, heads=DIR)` puts saved heads on a model the caller loaded; a base loaded from a relative
+    path is recorded absolute, so the saved router loads from any working directory; a base recorded as a name that
+    is no path here is refused with that way out."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama(0).save_pretrained(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained("base")  # its _name_or_path: "base", relative
+    router = trained_looking_router(model)
+    expected = router.generate(prompt(0), 12, do_sample=False).sequences
+    router.save_pretrained(tmp_path / "router")
+    monkeypatch.chdir(tmp_path / "router")
+    loaded = EarlyExitRouter.from_pretrained(tmp_path / "router", warm_up=False)
+    assert torch.equal(loaded.generate(prompt(0), 12, do_sample=False).sequences, expected)
+    mine = EarlyExitRouter.from_model(tiny_llama(0), heads=tmp_path / "router")
+    assert torch.equal(mine.generate(prompt(0), 12, do_sample=False).sequences, expected)
+    assert mine.heads.kinds == loaded.heads.kinds
+    with pytest.raises(FileNotFoundError, match="early_exit_config.json is missing"):
+        EarlyExitRouter.from_model(tiny_llama(0), heads=tmp_path / "base")
+    trained_looking_router(tiny_llama(0)).save_pretrained(tmp_path / "nameless")  # recorded as "LlamaForCausalLM"
+    with pytest.raises(FileNotFoundError, match=r"from_model\(model, tokenizer, heads="):
+        EarlyExitRouter.from_pretrained(tmp_path / "nameless")
+
+
 def test_mixed_adapter_kinds_save_load_and_refuse_another_layout(tmp_path):
     model = tiny_llama(0)
     model.save_pretrained(tmp_path / "base")

@@ -96,6 +96,23 @@ def test_sampled_verify_mode_draws_the_tokens_plain_sampling_draws_whatever_is_d
     assert torch.equal(router.generate(ids, seed=11, **kwargs).sequences, first)
 
 
+def test_router_generate_takes_unset_sampling_arguments_from_the_generation_config_as_hf_does():
+    """A model whose generation config samples (as many chat models' do) samples under router.generate too, with
+    its temperature and top_k; with a seed, verify mode draws HF's tokens."""
+    sampling = dict(do_sample=True, temperature=0.8, top_k=3)
+    model, plain = tiny_llama(0), tiny_llama(0)
+    for m in (model, plain):
+        m.generation_config.update(**sampling)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **MIXED)
+    ids = prompt(0)
+    routed = router.generate(ids, 20, seed=5)
+    torch.manual_seed(5)
+    assert torch.equal(routed.sequences, plain.generate(ids, max_new_tokens=20))
+    assert routed.stats.drafts_judged > 0
+    greedy = router.generate(ids, 20, do_sample=False).sequences  # an argument given wins over the config
+    assert torch.equal(greedy, plain.generate(ids, max_new_tokens=20, do_sample=False))
+
+
 def test_custom_generate_none_is_routed_and_a_seeded_plain_call_leaves_the_global_generator_as_it_was():
     model = tiny_llama(0)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **MIXED)

@@ -126,6 +126,7 @@ def test_chat_stream_reassembles_to_the_non_streamed_text(server, smol):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])  # null until the last chunk
 
 
 def test_per_request_routing_options(server):
@@ -214,6 +215,8 @@ def test_fields_that_ask_for_nothing_pass_and_the_rest_are_named(server, smol):
     for field, value in (("logprobs", 0), ("best_of", 2), ("response_format", {"type": "json_object"})):
         status, answer, _ = post(url, "/v1/completions", {**body, field: value})
         assert status == 400 and field in answer["error"]["message"], field
+    status, answer, _ = post(url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert status == 400 and "stream is true" in answer["error"]["message"]  # as vLLM refuses it
     status, answer, _ = post(url, "/v1/completions", {**body, "temperature": 1e-40, "seed": 3})
     assert status == 200 and answer["choices"][0]["text"] == alone(smol, "Hello", 4)
 

@@ -23,7 +23,7 @@ def second_token_law(
     counts = torch.zeros(VOCAB, dtype=torch.float64)
     drafted = 0
     for seed in range(runs):
-        out = router.generate(ids, max_new_tokens=2, mode="verify", do_sample=True, temperature=temperature, seed=seed)
+        out = router.generate(ids, 2, mode="verify", do_sample=True, temperature=temperature, top_k=0, seed=seed)
         counts[out.sequences[0, ids.shape[1] + 1]] += 1
         drafted += out.stats.drafts_judged
         for kind, n in out.stats.policy_cycles.items():

@@ -160,7 +160,7 @@ def _run(router: Any, ids, mask, n: int, pad_id: int, order: Sequence[str]) -> d
             mode, changes = ROUTER_ARMS[arm]
             router.clear_ngram_store()  # no arm copies from an earlier arm's (or repeat's) outputs
             start = time.perf_counter()
-            out = router.generate(ids, n, mode=mode, attention_mask=mask, config=changes)
+            out = router.generate(ids, n, mode=mode, attention_mask=mask, config=changes, do_sample=False)
             sequences, stats = out.sequences, out.stats
         outcomes[arm] = (time.perf_counter() - start, sequences, stats)
     return outcomes

@@ -162,7 +162,7 @@ class _Runner:
         """Generate with `arm` (sampling from `seed` at the runner's temperature, if any); returns new token ids,
         router stats, wall seconds, streamer arrivals."""
         router, n = self.router, ids.shape[1]
-        sampling = {}
+        sampling = {"do_sample": False}  # greedy whatever the model's generation config says
         if self.temperature > 0:
             sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
         streamer = ArrivalStreamer()
@@ -175,7 +175,7 @@ class _Runner:
                 router.clear_ngram_store()
             config = router.config.replace(**arm.overrides)  # per call: router.config is never swapped
             out = router.generate(ids, self.max_new_tokens, mode=arm.mode, config=config, streamer=streamer,
-                                  **sampling, **({"seed": seed} if sampling else {}))  # fmt: skip
+                                  **sampling, **({"seed": seed} if sampling["do_sample"] else {}))  # fmt: skip
             new_ids, stats = out.sequences[0, n:].tolist(), out.stats.to_dict()
         else:
             if sampling:

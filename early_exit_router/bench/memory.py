@@ -134,7 +134,7 @@ def measured_bytes(router: Any, context: int) -> int:
     if cuda:
         torch.cuda.synchronize(stack.device)
         torch.cuda.reset_peak_memory_stats(stack.device)
-    out = router.generate(ids.to(stack.device), max_new_tokens=1, mode="verify")
+    out = router.generate(ids.to(stack.device), max_new_tokens=1, mode="verify", do_sample=False)
     if cuda:
         return int(torch.cuda.max_memory_allocated(stack.device))
     draft = router.heads.draft_head(stack, router.config.draft_vocab_size)

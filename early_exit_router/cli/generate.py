@@ -40,9 +40,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="Wrap the prompt in the tokenizer's chat template when it has one (default: on).",
     )
     gen.add_argument("--do-sample", action="store_true", help="Sample instead of greedy decoding.")
-    gen.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (default: %(default)s).")
-    gen.add_argument("--top-k", type=int, default=None, help="Sample from the k most likely tokens.")
-    gen.add_argument("--top-p", type=float, default=None, help="Nucleus sampling mass.")
+    gen.add_argument(
+        "--temperature", type=float, default=None, help="Sampling temperature (default: the model's generation config)."
+    )
+    gen.add_argument(
+        "--top-k", type=int, default=None, help="Sample from the k most likely tokens (default: as HF, 50; 0: off)."
+    )
+    gen.add_argument("--top-p", type=float, default=None, help="Nucleus sampling mass (default: the model's config).")
     gen.add_argument("--seed", type=int, default=None, help="Seed for reproducible sampling.")
     gen.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
     add_load_options(gen)

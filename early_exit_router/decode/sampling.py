@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.generation.logits_process import (
@@ -15,6 +16,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from early_exit_router.models import _compat
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +28,26 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+
+    @classmethod
+    def unset_from(
+        cls,
+        model: Any,
+        do_sample: bool | None,
+        temperature: float | None,
+        top_k: int | None,
+        top_p: float | None,
+        seed: int | None,
+    ) -> SamplingParams:
+        """A call's parameters, those it left unset (None) taken from `model`'s generation config, merged as HF's
+        generate merges it (HF's global defaults included: top_k 50)."""
+        generation_config = _compat.merged_generation_config(model, None, {})
+
+        def pick(value: Any, name: str) -> Any:
+            return getattr(generation_config, name, None) if value is None else value
+
+        sample = pick(do_sample, "do_sample")
+        return cls(bool(sample), pick(temperature, "temperature"), pick(top_k, "top_k"), pick(top_p, "top_p"), seed)
 
     def __post_init__(self) -> None:
         if self.temperature is None:  # HF's None: the default

@@ -213,6 +213,19 @@ def saved_router(name_or_path: str) -> SavedRouter | None:
     return load_router(shipped) if shipped is not None else None
 
 
+def saved_base(path: str, saved: SavedRouter) -> str:
+    """Where the base model of the router saved at `path` loads from: the name it recorded, a local path or an alias
+    here (a hub id, or a folder elsewhere, is refused with what to do)."""
+    source = saved.identity.name_or_path
+    if Path(source).exists() or resolve_alias(source) is not None:
+        return source
+    raise FileNotFoundError(
+        f"The router saved at {path} was trained on {source!r}, which is neither a local path nor an alias here "
+        "(models are never downloaded). Load that model yourself and put the heads on it: "
+        f"EarlyExitRouter.from_model(model, tokenizer, heads={str(path)!r})."
+    )
+
+
 def heads_from_saved(saved: SavedRouter, stack: LayerStack, config: RouterConfig, name: str) -> ExitHeads:
     """`saved`'s trained heads (adapters, gates, draft ranking) built on `stack`'s base model, which must be the
     one they were trained for; on its device and in its dtype."""

@@ -25,6 +25,11 @@ from early_exit_router.heads.draft import DraftHead
 from early_exit_router.heads.gates import LearnedGate
 
 DRAFT_RANKING = "draft_ranking"  # state_dict key of ExitHeads' token ranking for the trimmed draft head
+UNTRAINED_EXIT_MODE = (
+    "Exit mode with UNTRAINED exit heads (the logit lens): shallow layers of off-the-shelf models are confidently "
+    "wrong, so exited tokens often differ from the full model's. Load trained heads, or use mode='verify' for output "
+    "identical to the full model."
+)
 
 
 def make_adapter(kind: str, hidden_size: int, rank: int, block: Callable[..., BlockAdapter] | None = None) -> nn.Module:

@@ -244,6 +244,8 @@ async def _stream(
     kind_name = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": _response_id(job, chat), "object": kind_name, "created": int(job.created)}
     head["model"] = settings.model_name
+    if include_usage:  # every chunk carries the field, null until the last one, as OpenAI sends it
+        head["usage"] = None
     try:
         if chat:
             yield _event({**head, "choices": [_chat_delta({"role": "assistant", "content": ""}, None)]})
@@ -260,7 +262,7 @@ async def _stream(
                 choice = _chat_delta({}, result.finish_reason) if chat else _text_choice("", result.finish_reason)
                 yield _event({**head, "choices": [choice], "early_exit": _routing(result)})
                 if include_usage:
-                    yield _event({**head, "choices": [], "usage": _usage(result)})
+                    yield _event({**head, "choices": [], "usage": _usage(result)})  # replaces the null
                 break
         yield format_sse_event(data_str="[DONE]")
     finally:

@@ -179,7 +179,7 @@ def _load(
     router.clear_ngram_store()  # the check runs alone: it must not copy the answers the load just produced
     for k, r in results.items():  # each response against the same request run alone
         ids = router.encode(jobs[k], chat=True)
-        out = router.generate(ids, cfg.max_tokens, config=overrides or None)
+        out = router.generate(ids, cfg.max_tokens, config=overrides or None, do_sample=False)  # as the load asks
         alone = router.tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
         differing += int(r["text"] != alone)
     all_ids = [i for r in results.values() for i in r["ids"]]

@@ -116,6 +116,13 @@ class _Common(BaseModel):
             raise ValueError("stop takes at most 4 non-empty strings")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, value: StreamOptions | None, info: Any) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
     @field_validator("seed")
     @classmethod
     def _check_seed(cls, value: int | None) -> int | None:
