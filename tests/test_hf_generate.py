@@ -82,15 +82,19 @@ def test_sampled_verify_mode_draws_the_tokens_plain_sampling_draws_whatever_is_d
     ids = torch.tensor([[5, 17, 33, 41, 9, 5, 17, 33, 41, 9, 5, 17]])  # a loop: copies to draft
     kwargs = dict(max_new_tokens=40, do_sample=True, temperature=1.3, top_k=40)
     plain = tiny_llama(0)
-    drafts = rejected = 0
-    for seed in range(4):
+    drafts = rejected = early = 0
+    for seed, eos in [(s, e) for s in range(4) for e in (None, 36)]:  # 36: ends the text, at times in a pass
         torch.manual_seed(seed)
-        routed = model.generate(ids, **kwargs)
+        routed = model.generate(ids, **kwargs, eos_token_id=eos)
+        after = torch.random.get_rng_state()
         drafts += router.last_stats.drafts_judged
         rejected += router.last_stats.rejected_drafts
+        early += routed.shape[1] < ids.shape[1] + 40
         torch.manual_seed(seed)
-        assert torch.equal(routed, plain.generate(ids, **kwargs)), seed
-    assert drafts > 20 and rejected > 0  # drafts were judged, and some refused
+        assert torch.equal(routed, plain.generate(ids, **kwargs, eos_token_id=eos)), seed
+        # The generator ends where HF's sampling leaves it, though noise was drawn past the end for drafts
+        assert torch.equal(after, torch.random.get_rng_state()), (seed, eos)
+    assert drafts > 20 and rejected > 0 and early > 0  # drafts were judged, some refused; some texts ended early
     first = router.generate(ids, seed=11, **kwargs).sequences
     router.generate(first, seed=3, **kwargs)  # the store now holds other text to copy from
     assert torch.equal(router.generate(ids, seed=11, **kwargs).sequences, first)

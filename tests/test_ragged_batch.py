@@ -163,6 +163,29 @@ def test_batched_sampling_in_verify_mode_runs_per_row():
     assert point.stats.rejected_drafts > 0
 
 
+def test_batched_sampling_draws_hf_batched_samplings_tokens_and_leaves_the_generator_as_hf_does():
+    """Rows that share a generator share one (rows, vocab) block of noise per position, as HF's batched sampling
+    draws one per step: a seeded verify-mode batch samples HF's batch tokens whatever each row drafted (the store
+    of earlier calls too), and the global generator ends where HF's sampling leaves it."""
+    model, plain = tiny_llama(0), tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **{**PER_ROW, "ngram_store_tokens": 4096})
+    ids, mask = repetitive([8, 12], 4)
+    sampling = dict(do_sample=True, temperature=0.3, top_k=0)
+    drafts = 0
+    for seed in range(3):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            want = plain.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=PAD, **sampling)
+        after_hf = torch.random.get_rng_state()
+        out = router.generate(ids, 20, mode="verify", attention_mask=mask, seed=seed, **sampling)
+        assert torch.equal(out.sequences, want), seed
+        drafts += sum(s.drafts_judged for s in out.row_stats)
+        torch.manual_seed(seed)
+        routed = model.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=PAD, **sampling)  # global
+        assert torch.equal(routed, want) and torch.equal(torch.random.get_rng_state(), after_hf), seed
+    assert drafts > 10
+
+
 def test_the_per_row_sampling_rule_keeps_the_full_models_distribution():
     """A copied draft x is kept where the full model's draw with the position's noise is x, with probability p(x),
     and otherwise that draw, from p without x, is the token: the first emitted token follows p exactly, and the one

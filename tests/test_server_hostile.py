@@ -161,6 +161,37 @@ def test_one_failing_request_fails_alone_and_the_others_finish(server, smol, mon
 
 
 @real_model
+def test_a_seeded_sampled_request_restarted_after_its_batch_broke_goes_on_as_it_would_have(server, smol, monkeypatch):
+    """The batch breaks after some tokens were sent: the seeded request restarts alone from them and draws the noise
+    of the positions after them, so its text is what the unbroken request gives (run alone, with the same seed)."""
+    _, app = server
+    scheduler = app.state.scheduler
+    config = scheduler.base_config
+    real_step = Decoder.step
+    shared: list[int] = []
+
+    def step(self):
+        if any(poisoned(row) for row in self.rows):
+            shared.append(len(self.rows))
+            if len(shared) > 4:  # after tokens were sent, in the batch, then alone
+                raise RuntimeError("poisoned step")
+        return real_step(self)
+
+    monkeypatch.setattr(Decoder, "step", step)
+    restarted = scheduler.stats.requests_restarted
+    ids = smol.encode(A)
+    jobs = [
+        Job(ids, 24, "verify", config, SamplingParams(do_sample=True, seed=4)),
+        Job(smol.encode(B), 24, "verify", config, SamplingParams(do_sample=True), (POISON,)),
+    ]
+    answers = run_jobs(scheduler, jobs)
+    assert [kind for kind, _ in answers] == ["done", "error"], answers
+    assert shared[0] == 2 and scheduler.stats.requests_restarted == restarted + 2  # both shared the batch
+    unbroken = smol.generate(ids, 24, mode="verify", do_sample=True, temperature=1.0, top_k=0, top_p=1.0, seed=4)
+    assert answers[0][1].token_ids == unbroken.sequences[0, ids.shape[1] :].tolist()
+
+
+@real_model
 def test_a_request_failing_mid_decode_gets_an_error_answer_and_concurrent_ones_finish(server, smol, monkeypatch):
     """Over HTTP: a request that raises inside the decode step (after a few tokens) is answered with an OpenAI
     server error and counted in /metrics; the requests running beside it (one streamed) finish correctly."""

@@ -94,8 +94,8 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
     """Accept, per row, the longest prefix of its drafts the full model agrees with; emit the full model's token
     after it. `logits` (b, k, vocab): predictions at slots first..first+k-1, the drafts sit at first+1..
 
-    Greedy: a draft is accepted when it equals the deep argmax (after logits processors). Sampling: the
-    speculative-sampling rule, so each row's tokens follow the full model's distribution. The batch design then
+    Greedy: a draft is accepted when it equals the deep argmax (after logits processors). Sampling: when it equals
+    the full model's draw with its position's noise (`verify.accept_sampled`). The batch design then
     decides what each row keeps (`verify.shortest_prefix` / `longest_prefix`), and every layer is cut back."""
     k = logits.shape[1]
     n = k - 1 if has_current else k
@@ -221,7 +221,7 @@ def _sample_row(
     noise, keeps a draft where it equals it (`verify.accept_sampled`)."""
     scores = _scores(dec, r, row, logits, first)  # (m, vocab)
     start = len(row.new_tokens) - len(drafts)  # the first draft's position
-    noise = torch.stack([row.noise_at(start + j, scores.shape[-1], scores.device) for j in range(scores.shape[0])])
+    noise = torch.stack([row.noise_at(start + j, scores.shape[-1]) for j in range(scores.shape[0])])
     return accept_sampled(torch.softmax(scores, dim=-1), noise, drafts)
 
 

@@ -2,8 +2,8 @@
 steps without drafting), and the n-gram tier's proposals appended as drafts (`append_ngram`).
 
 An exit fires only when every unfinished row may leave (a batch's layers stay rectangular): each row then emits its
-head's token and the chunk's states wait in front of the next segment for the deep pass that fills them. In a verify
-cycle each draft remembers the law it was drawn from, for the speculative-sampling rule.
+head's token and the chunk's states wait in front of the next segment for the deep pass that fills them. A sampling
+row's exit draws its draft with the noise of the draft's position, the noise the deep pass then draws with.
 """
 
 from __future__ import annotations

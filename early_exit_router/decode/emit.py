@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from early_exit_router.decode.noise import DONE
 from early_exit_router.decode.state import DecodeState
 from early_exit_router.decode.stopping import criteria_stop, ends_generation
 
@@ -51,7 +52,7 @@ def choose_row(dec: DecodeState, r: int, end: int, logits: torch.Tensor, after: 
         return logits.argmax(dim=-1)
     noise = None
     if row.selector.params.do_sample:
-        noise = row.noise_at(len(row.new_tokens) + after, logits.shape[-1], logits.device)
+        noise = row.noise_at(len(row.new_tokens) + after, logits.shape[-1])
     return row.selector.choose(row_ids(dec, r, end), logits, noise)
 
 
@@ -116,5 +117,7 @@ def settle(dec: DecodeState) -> None:
         row.frontier.advance(row.tokens, min(row.final, upto))
         if row.stop_at is not None and row.final >= upto:
             row.done = True
+            if row.noise is not None:  # its positions no longer hold the other rows' draws
+                row.noise.release(row.noise_row, DONE)
             row.frontier.end()
             dec.suffix.remember(row.tokens[: row.prompt_len] + row.output())

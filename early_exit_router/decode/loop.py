@@ -42,6 +42,7 @@ from early_exit_router.decode.drafting import (
     worth_asking,
 )
 from early_exit_router.decode.emit import append, choose, embed, settle
+from early_exit_router.decode.noise import noise_sources, settle_generators
 from early_exit_router.decode.sampling import TokenSelector
 from early_exit_router.decode.segments import LayerwiseFill
 from early_exit_router.decode.state import DecodeState, Row, VerifyCycle
@@ -163,11 +164,12 @@ class Decoder(DecodeState):
         capacity = n + max(r.max_new_tokens for r in requests) + cfg.max_pending + cfg.ngram_draft + 2
         self.slots = Slots.for_prompts(ids, mask, self.pad_token_id, capacity)
         tiers = len(self.exits) + 1
+        noises = noise_sources(selectors, ids.device)
         for k, (request, selector) in enumerate(zip(requests, selectors)):
             prompt = ids[k][mask[k].bool()].tolist()
             frontier = StreamFrontier(request, prompt)
             row = Row(request, selector, prompt, len(prompt), n, ids[k : k + 1], RowCounters.for_tiers(tiers),
-                      frontier, started=started)  # fmt: skip
+                      frontier, started=started, noise=noises[k][0], noise_row=noises[k][1])  # fmt: skip
             self.rows.append(row)
         positions = self.slots.positions(0, n)
         hidden = self.fill.prefill(self.stack.embed(ids, positions=positions), positions, self.slots.attention_mask(n))
@@ -326,14 +328,13 @@ class Decoder(DecodeState):
         return plan
 
     def _draft_budget(self, row: Row) -> int:
-        """How many more tokens `row` may draft now: the window rule's room and the tokens it has still to make."""
+        """How many more tokens `row` may draft: the window rule's room and the tokens it has still to make."""
         return min(self.config.max_pending - self.pending, row.request.max_new_tokens - len(row.new_tokens))
 
     # ------------------------------------------------------------------------------------------------ drafting
     def _draft_ngram(self) -> bool:
-        """The n-gram tier, in a cascade step (one sequence): if the last tokens occurred before, append what
-        followed them there as drafts. In exit mode they are verified too (unless `ngram_unverified`), also while
-        exited tokens wait: the next deep pass fills those (final, only checked) and verifies the drafts after them."""
+        """The n-gram tier in a cascade step (one sequence): what followed the last tokens before, as drafts. Exit
+        mode verifies them too (unless `ngram_unverified`), also past waiting exited tokens (final, only checked)."""
         row = self.rows[0]
         budget = min(self.config.ngram_draft, self._draft_budget(row))
         proposal, _ = propose_ngram(self, row, budget)
@@ -355,6 +356,7 @@ class Decoder(DecodeState):
         now = time.perf_counter()
         for row in self.rows:
             row.ended = row.ended if row.ended is not None else now
+        settle_generators(self.rows)
         cache = self.fill.cache
         with torch.inference_mode():  # the layers hold inference tensors until released below
             _compat.trim_sliding(cache)  # no rollback can follow: sliding layers keep only their window

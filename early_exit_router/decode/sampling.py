@@ -112,7 +112,7 @@ class TokenSelector:
 
     def choose(self, input_ids: torch.Tensor, logits: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         """(1, vocab) raw logits -> (1,) token id, on the logits' device (no host sync). Sampling draws with `noise`,
-        the position's (vocab,) draw from `SamplingNoise` (None: a fresh one)."""
+        the position's (vocab,) draw (`decode/noise.py`; None: a fresh one, as torch.multinomial draws)."""
         scores = self.scores(input_ids, logits)
         if not self.params.do_sample:
             return scores.argmax(dim=-1)
@@ -120,36 +120,6 @@ class TokenSelector:
         if noise is None:
             return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(-1)
         return (probs / noise).argmax(dim=-1)
-
-
-class SamplingNoise:
-    """One sequence's sampling noise: a (vocab,) draw of Exp(1) variables per new token, taken from the generator in
-    the order of the tokens' positions, whenever each is first needed, and kept until its token is final.
-
-    `torch.multinomial(p, 1)` draws exactly such a vector E and returns argmax(p / E), so the token chosen as
-    argmax(p / E_t) at position t is the token plain sampling draws there from the same generator state (HF's
-    sampling, seeded alike). A draft at position t, whatever proposed it, is kept when it equals that token: a copy x
-    then with probability p(x), and every emitted token follows the full model's law. Which tokens come out depends
-    on the seed and the full model alone, not on what was drafted (the n-gram store, the cost table)."""
-
-    def __init__(self, generator: torch.Generator | None) -> None:
-        self.generator = generator
-        self.first = 0  # the position of draws[0]
-        self.draws: list[torch.Tensor] = []
-
-    def at(self, position: int, vocab: int, device: torch.device) -> torch.Tensor:
-        """(vocab,) float32 noise of new token `position` (0-based), drawing those before it first."""
-        while self.first + len(self.draws) <= position:
-            draw = torch.empty(vocab, dtype=torch.float32, device=device).exponential_(generator=self.generator)
-            self.draws.append(draw)
-        return self.draws[position - self.first]
-
-    def release(self, final: int) -> None:
-        """The tokens before position `final` are final: their draws are not needed again."""
-        drop = final - self.first
-        if drop > 0:
-            del self.draws[:drop]
-            self.first = final
 
 
 def _row_of(processor: LogitsProcessor, r: int, rows: int) -> LogitsProcessor:

@@ -1,9 +1,9 @@
 """What a decode carries between steps, as a few small records.
 
 - `Row`: one sequence of the batch: its request, its tokens on the host, its record (depths, logits), the drafts it
-  has in flight, its stop and streaming frontier, and its counters.
-- `Draft`: one drafted token the deep pass has yet to judge: the tier that proposed it and, when sampling, the law it
-  was drawn from.
+  has in flight, its stop and streaming frontier, its counters and, when sampling, its noise (`noise.py`).
+- `Draft`: one drafted token the deep pass has yet to judge: the tier that proposed it (and an exit tree's
+  alternatives).
 - `VerifyCycle`: drafts in flight that the next deep pass verifies, from one slot on (verify mode: every draft; exit
   mode: the n-gram tier's, and whatever follows them until that pass).
 - `DecodeState`: everything one decode shares between the phases of a step (`drafting.py`, `deep.py`, `emit.py`):
@@ -22,7 +22,8 @@ import torch
 from early_exit_router.config import RouterConfig
 from early_exit_router.decode.batch import Slots
 from early_exit_router.decode.drafters import ExitDrafter, SuffixDrafter
-from early_exit_router.decode.sampling import SamplingNoise, TokenSelector
+from early_exit_router.decode.noise import SamplingNoise
+from early_exit_router.decode.sampling import TokenSelector
 from early_exit_router.decode.segments import LayerwiseFill
 from early_exit_router.decode.stats import AgreementMonitor, PassCounters, RowCounters
 from early_exit_router.decode.stopping import DecodeRequest, StreamFrontier
@@ -77,14 +78,13 @@ class Row:
     # The suffix drafter's view of this context for the gates: (context length, the token it would copy or -1).
     ngram_memo: tuple[int, int] = (-1, -1)
     index: ContextIndex | None = None  # the n-gram tier's index of `tokens` (built at the first lookup)
-    noise: SamplingNoise | None = None  # sampling: each new token's draw (built at the first)
+    noise: SamplingNoise | None = None  # sampling: the noise of its positions (`decode/noise.py`) ...
+    noise_row: int = 0  # ... its row in it
 
-    def noise_at(self, position: int, vocab: int, device: torch.device) -> torch.Tensor:
-        """(vocab,) the sampling noise of new token `position` (see `SamplingNoise`); final tokens' draws go."""
-        if self.noise is None:
-            self.noise = SamplingNoise(self.selector.generator)
-        self.noise.release(self.final - self.prompt_len)
-        return self.noise.at(position, vocab, device)
+    def noise_at(self, position: int, vocab: int) -> torch.Tensor:
+        """(vocab,) the sampling noise of new token `position`; the draws of its final tokens go."""
+        self.noise.release(self.noise_row, self.final - self.prompt_len)
+        return self.noise.at(position, self.noise_row, vocab)
 
     @property
     def new_tokens(self) -> list[int]:

@@ -216,9 +216,8 @@ def _chooser(dec: DecodeState, tree: TokenTree, logits: torch.Tensor, q: int) ->
     """The full model's token after a node, from its row of `logits` (1 + nodes, vocab): greedy without processors
     reads every node's argmax in one host sync; otherwise the row's selector chooses at each node the walk reaches,
     its processors seeing the ids up to that node. Sampling thus draws each kept token from the full model's law at
-    its node, and keeps a drafted child exactly when the draw is that child: for copied drafts, this is the
-    speculative-sampling rule (accept x with probability p(x), else draw from p without x), so the output's law is
-    the full model's."""
+    its node, with its position's noise, and keeps a drafted child exactly when the draw is that child: a copied
+    child x with probability p(x), and the output's law is the full model's."""
     row = dec.rows[0]
     selector = row.selector
     if not selector.params.do_sample and not selector.processors:
@@ -231,7 +230,7 @@ def _chooser(dec: DecodeState, tree: TokenTree, logits: torch.Tensor, q: int) ->
         drafted = torch.tensor([[tree.tokens[i] for i in path]], dtype=before.dtype, device=before.device)
         noise = None
         if selector.params.do_sample:
-            noise = row.noise_at(position + len(path), logits.shape[-1], logits.device)
+            noise = row.noise_at(position + len(path), logits.shape[-1])
         return int(selector.choose(torch.cat([before, drafted], dim=1), logits[node + 1 : node + 2], noise))
 
     return choose

@@ -5,7 +5,7 @@ of its drafts the full model agrees with (`accept_greedy`); when sampling, the f
 its draw there with that position's noise, the draw plain sampling makes from the same generator state, and a draft
 is kept where it equals it (`accept_sampled`). A copy x is thus kept with probability p(x), as speculative sampling
 (Leviathan et al. 2023) keeps it, every row's tokens follow the full model's law, and with a seed they are the
-tokens plain sampling gives, whatever was drafted (`sampling.SamplingNoise`).
+tokens plain sampling gives, whatever was drafted (`noise.py`).
 A batch then reconciles its rows' verdicts: the synchronous design keeps one length for every row
 (`shortest_prefix`), the per-row design lets each row keep its own and masks the rest (`longest_prefix` is how far the
 batch's slots reach).
@@ -25,7 +25,7 @@ def accept_greedy(choices: Sequence[int], drafts: Sequence[int]) -> int:
 
 def accept_sampled(p: torch.Tensor, noise: torch.Tensor, drafts: Sequence[int]) -> tuple[list[bool], int | None]:
     """Sampling over one row's chunk. `p` (m, vocab): the full model's laws at the m predicted positions; `noise`
-    (m, vocab): those positions' draws (`sampling.SamplingNoise`); `drafts`: n <= m drafted tokens, at the first n
+    (m, vocab): those positions' draws (`noise.SamplingNoise`); `drafts`: n <= m drafted tokens, at the first n
     positions. The full model's token at each position is argmax(p / noise), what `torch.multinomial` draws with that
     noise. Returns the verdicts up to and including the first refusal, and the token after the kept prefix (None:
     every draft kept and no prediction left)."""

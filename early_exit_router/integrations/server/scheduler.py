@@ -33,6 +33,7 @@ import torch
 
 from early_exit_router.config import RouterConfig
 from early_exit_router.decode.loop import Decoder
+from early_exit_router.decode.noise import skip_positions
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.state import Row
 from early_exit_router.decode.stats import GenerationStats
@@ -375,9 +376,8 @@ class Scheduler:
             self._restart_alone(job, tracker)
 
     def _restart_alone(self, job: Job, tracker: TextTracker) -> None:
-        """Continue a member of a broken batch alone: its prompt and the tokens it was sent are prefilled, and it
-        generates the rest. (Seeded sampling starts its generator again; the response's `early_exit` block covers
-        the part decoded after the restart.)"""
+        """Continue a member of a broken batch alone from its prompt and the tokens it was sent (seeded sampling goes
+        on as unbroken, see `_admit`; the response's `early_exit` block covers the part decoded after the restart)."""
         if job.cancelled.is_set():
             self.stats.requests_cancelled += 1
             return
@@ -405,7 +405,7 @@ class Scheduler:
 
     def _admit(self, job: Job, tracker: TextTracker | None = None, sent: list[int] | None = None) -> None:
         """Start the job on a one-sequence decoder of its own; `sent`: tokens it was sent before a restart (they
-        follow its prompt, and count against its max_new_tokens)."""
+        follow its prompt, count against its max_new_tokens, and drew their positions' sampling noise)."""
         if job.cancelled.is_set():
             self.stats.requests_cancelled += 1
             return
@@ -419,6 +419,7 @@ class Scheduler:
             with self.router.lock:
                 decoder = self.router.decoder(job.config, job.mode)
                 selector = TokenSelector(job.params, self.router.stack.device, None)
+                skip_positions(selector.generator, len(sent), self.router.stack.vocab_size, self.router.stack.device)
                 decoder.prefill(ids, torch.ones_like(ids), [request], [selector])
         except Exception as error:  # a failure of one request must not stop the worker
             self._fail(job, error)

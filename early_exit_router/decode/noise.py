@@ -1,0 +1,118 @@
+"""Sampling noise by position: what makes a sampled decode's tokens independent of what was drafted.
+
+`torch.multinomial(p, 1)` draws a vector E of Exp(1) variables over the vocabulary and returns argmax(p / E) (for a
+batch, one (b, vocab) block per call, which HF's sampling makes once per step). So a decode that draws the same
+blocks in the same order, one per position of the new tokens, and chooses argmax(p / E_t) at position t, samples the
+tokens plain sampling samples from the same generator state. A draft at position t, whatever proposed it (an exit's
+own draw with that noise, a copy), is kept when it equals that token: a copy x then with probability p(x), as
+speculative sampling keeps it, and every token follows the full model's law. The tokens depend on the generator's
+state and the full model alone, not on the n-gram store or the cost table, which only change how many passes they
+take; and a decode leaves the generator where plain sampling of the same tokens would (`settle`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from early_exit_router.decode.sampling import TokenSelector
+
+DONE = math.inf  # `SamplingNoise.release`'s position for a row that has ended
+
+
+class SamplingNoise:
+    """The noise of the rows that sample from one generator: per new-token position, a (rows, vocab) block of
+    Exp(1) draws, drawn in the order of the positions when one is first needed (by any row) and kept until every
+    row's token there is final."""
+
+    def __init__(self, generator: torch.Generator | None, rows: int, device: torch.device) -> None:
+        self.generator = generator if generator is not None else _default_generator(device)
+        self.rows, self.device, self.vocab = rows, device, 0
+        self.drawn = 0  # blocks drawn
+        self.first = 0  # the position of blocks[0]
+        self.blocks: list[torch.Tensor] = []
+        self.finals: list[float] = [0] * rows  # per row: its tokens before this position are final
+        self.start = self._state()  # the generator before any block ...
+        self.states: dict[int, torch.Tensor | None] = {}  # ... and after block k, for every k >= first - 1
+
+    def at(self, position: int, row: int, vocab: int) -> torch.Tensor:
+        """(vocab,) float32 noise of `row`'s new token `position` (0-based), drawing the blocks before it first."""
+        self.vocab = vocab
+        while self.drawn <= position:
+            self.blocks.append(self._draw())
+            self.states[self.drawn] = self._state()
+            self.drawn += 1
+        return self.blocks[position - self.first][row]
+
+    def release(self, row: int, final: float) -> None:
+        """`row`'s tokens before position `final` are final (`DONE`: the row has ended); the blocks every row is
+        past go."""
+        self.finals[row] = final
+        drop = int(min(min(self.finals), self.drawn)) - self.first
+        if drop > 0:
+            del self.blocks[:drop]
+            self.first += drop
+            self.states = {k: v for k, v in self.states.items() if k >= self.first - 1}
+
+    def settle(self, blocks: int) -> None:
+        """Leave the generator as `blocks` plain sampling steps leave it (HF's draw one block a step, until the
+        longest row ends), where blocks were drawn ahead for drafts past the end."""
+        if self.generator is None or self.drawn <= blocks:
+            return
+        if blocks - 1 in self.states:
+            self.generator.set_state(self.states[blocks - 1])
+            return
+        self.generator.set_state(self.start)  # the state after block blocks - 1 went with its block: draw again
+        for _ in range(blocks):
+            self._draw()
+
+    def _draw(self) -> torch.Tensor:
+        block = torch.empty(self.rows, self.vocab, dtype=torch.float32, device=self.device)
+        return block.exponential_(generator=self.generator)
+
+    def _state(self) -> torch.Tensor | None:
+        return None if self.generator is None else self.generator.get_state()
+
+
+def noise_sources(selectors: Sequence[TokenSelector], device: torch.device) -> list[tuple[SamplingNoise | None, int]]:
+    """Each row's noise (None: greedy) and its row in it. Sampling rows whose selectors share a generator (None:
+    the device's default one, which HF's sampling uses) share one noise, in their order, as HF's batch shares its
+    blocks."""
+    groups: dict[int, list[int]] = {}
+    for r, selector in enumerate(selectors):
+        if selector.params.do_sample:
+            generator = selector.generator or _default_generator(device)
+            groups.setdefault(id(generator), []).append(r)
+    sources: list[tuple[SamplingNoise | None, int]] = [(None, 0)] * len(selectors)
+    for rows in groups.values():
+        noise = SamplingNoise(selectors[rows[0]].generator, len(rows), device)
+        for k, r in enumerate(rows):
+            sources[r] = (noise, k)
+    return sources
+
+
+def settle_generators(rows: Sequence[Any]) -> None:
+    """At a decode's end, leave each generator its rows (`state.Row`) sampled from where plain sampling of their
+    outputs leaves it (it draws one block a step until the longest row ends)."""
+    for noise in {id(row.noise): row.noise for row in rows if row.noise is not None}.values():
+        noise.settle(max(len(row.output()) for row in rows if row.noise is noise))
+
+
+def skip_positions(generator: torch.Generator | None, count: int, vocab: int, device: torch.device) -> None:
+    """Advance `generator` past the noise of `count` positions of one sequence, drawn before (a decode that
+    continues another from the tokens it made: its positions then draw what they would have drawn there)."""
+    if generator is not None:
+        for _ in range(count):
+            torch.empty(1, vocab, dtype=torch.float32, device=device).exponential_(generator=generator)
+
+
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator torch samples with on `device` when none is given (None where it is not reachable)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None
