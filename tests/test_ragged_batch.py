@@ -186,6 +186,24 @@ def test_batched_sampling_draws_hf_batched_samplings_tokens_and_leaves_the_gener
     assert drafts > 10
 
 
+def test_noise_leaves_its_generator_as_plain_sampling_would_unless_another_decode_drew_since():
+    from early_exit_router.decode.noise import SamplingNoise
+
+    cpu = torch.device("cpu")
+    g, plain = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    alone = SamplingNoise(g, 2, cpu)
+    alone.at(4, 1, 8)  # five blocks of (2, 8): three drawn ahead for drafts
+    alone.settle(2)
+    torch.empty(2, 2, 8).exponential_(generator=plain)  # plain sampling: two steps
+    assert torch.equal(g.get_state(), plain.get_state())
+    a, b = SamplingNoise(g, 1, cpu), SamplingNoise(g, 1, cpu)  # two decodes interleaved on one generator
+    a.at(2, 0, 8)
+    b.at(0, 0, 8)
+    state = g.get_state()
+    a.settle(1)
+    assert torch.equal(g.get_state(), state)  # b drew since: rewinding would hand b's noise out again
+
+
 def test_the_per_row_sampling_rule_keeps_the_full_models_distribution():
     """A copied draft x is kept where the full model's draw with the position's noise is x, with probability p(x),
     and otherwise that draw, from p without x, is the token: the first emitted token follows p exactly, and the one

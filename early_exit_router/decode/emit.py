@@ -41,18 +41,15 @@ def choose(dec: DecodeState, end: int, logits: torch.Tensor) -> torch.Tensor:
     plain = all(not r.selector.params.do_sample and not r.selector.processors for r in rows)
     if not dec.slots.holes and not sampling and (shared or plain):
         return first.choose(dec.slots.seq[:, :end], logits).reshape(-1)
-    return torch.cat([choose_row(dec, k, end, logits[k : k + 1]).reshape(1) for k in range(len(rows))])
+    return torch.cat([_choose_row(dec, k, end, logits[k : k + 1]).reshape(1) for k in range(len(rows))])
 
 
-def choose_row(dec: DecodeState, r: int, end: int, logits: torch.Tensor, after: int = 0) -> torch.Tensor:
-    """(1, vocab) -> (1,) row r's token `after` positions past its newest, its processors seeing the ids before slot
-    `end`."""
+def _choose_row(dec: DecodeState, r: int, end: int, logits: torch.Tensor) -> torch.Tensor:
+    """(1, vocab) -> (1,) row r's next token, its processors seeing the ids before slot `end`."""
     row = dec.rows[r]
     if row.done:  # its slot is padded: no draw from a generator rows may share
         return logits.argmax(dim=-1)
-    noise = None
-    if row.selector.params.do_sample:
-        noise = row.noise_at(len(row.new_tokens) + after, logits.shape[-1])
+    noise = row.noise_at(len(row.new_tokens), logits.shape[-1]) if row.selector.params.do_sample else None
     return row.selector.choose(row_ids(dec, r, end), logits, noise)
 
 

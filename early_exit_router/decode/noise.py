@@ -62,6 +62,8 @@ class SamplingNoise:
         longest row ends), where blocks were drawn ahead for drafts past the end."""
         if self.generator is None or self.drawn <= blocks:
             return
+        if not torch.equal(self.generator.get_state(), self.states[self.drawn - 1]):
+            return  # another decode drew from it since (the server's requests share the default one): leave it
         if blocks - 1 in self.states:
             self.generator.set_state(self.states[blocks - 1])
             return
