@@ -202,6 +202,28 @@ def test_noise_leaves_its_generator_as_plain_sampling_would_unless_another_decod
     state = g.get_state()
     a.settle(1)
     assert torch.equal(g.get_state(), state)  # b drew since: rewinding would hand b's noise out again
+    a.at(4, 0, 8)  # a draws last, but b's draw lies between its own: rewinding would still repeat b's noise
+    state = g.get_state()
+    a.settle(1)
+    assert torch.equal(g.get_state(), state)
+
+
+def test_a_finished_noise_rewinds_to_its_last_output_without_drawing_again(monkeypatch):
+    """A row that ends releases every block, but the generator state after its output's last block stays: the
+    decode's end rewinds to it rather than drawing the whole output's noise again."""
+    from early_exit_router.decode.noise import DONE, SamplingNoise
+
+    g, plain = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    noise = SamplingNoise(g, 1, torch.device("cpu"))
+    for position in range(6):  # a token at each position, two drawn ahead for drafts
+        noise.release(0, position)
+        noise.at(position + 2, 0, 8)
+    noise.release(0, DONE, 6)
+    assert noise.blocks == [] and len(noise.states) <= 3
+    monkeypatch.setattr(noise, "_draw", lambda: pytest.fail("drew the noise again"))
+    noise.settle(6)
+    torch.empty(6, 1, 8).exponential_(generator=plain)
+    assert torch.equal(g.get_state(), plain.get_state())
 
 
 def test_the_per_row_sampling_rule_keeps_the_full_models_distribution():

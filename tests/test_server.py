@@ -212,6 +212,11 @@ def test_fields_that_ask_for_nothing_pass_and_the_rest_are_named(server, smol):
     nothing = {"logit_bias": None, "best_of": 1, "response_format": {"type": "text"}, "suffix": None, "tools": []}
     status, answer, _ = post(url, "/v1/completions", {**body, **nothing})
     assert status == 200 and answer["choices"][0]["text"] == alone(smol, "Hello", 4)
+    defaults = dict.fromkeys(("top_p", "n", "stream", "presence_penalty", "frequency_penalty", "echo"))
+    status, answer, _ = post(url, "/v1/completions", {**body, **defaults})  # OpenAI's "or null": the default
+    assert status == 200 and answer["choices"][0]["text"] == alone(smol, "Hello", 4)
+    status, answer, _ = post(url, "/v1/completions", {**body, "temperature": None, "seed": 3})  # 1.0: it samples
+    assert status == 200, answer
     for field, value in (("logprobs", 0), ("best_of", 2), ("response_format", {"type": "json_object"})):
         status, answer, _ = post(url, "/v1/completions", {**body, field: value})
         assert status == 400 and field in answer["error"]["message"], field

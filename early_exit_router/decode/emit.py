@@ -115,6 +115,6 @@ def settle(dec: DecodeState) -> None:
         if row.stop_at is not None and row.final >= upto:
             row.done = True
             if row.noise is not None:  # its positions no longer hold the other rows' draws
-                row.noise.release(row.noise_row, DONE)
+                row.noise.release(row.noise_row, DONE, len(row.output()))
             row.frontier.end()
             dec.suffix.remember(row.tokens[: row.prompt_len] + row.output())

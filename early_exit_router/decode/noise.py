@@ -35,39 +35,46 @@ class SamplingNoise:
         self.first = 0  # the position of blocks[0]
         self.blocks: list[torch.Tensor] = []
         self.finals: list[float] = [0] * rows  # per row: its tokens before this position are final
+        self.longest = 0  # new tokens the longest output has at least: `settle` rewinds to no fewer blocks
         self.start = self._state()  # the generator before any block ...
-        self.states: dict[int, torch.Tensor | None] = {}  # ... and after block k, for every k >= first - 1
+        self.states: dict[int, torch.Tensor | None] = {-1: self.start}  # ... after block k, for k >= longest - 1
+        self.shared = False  # another decode drew from the generator between this one's draws: never rewind it
 
     def at(self, position: int, row: int, vocab: int) -> torch.Tensor:
         """(vocab,) float32 noise of `row`'s new token `position` (0-based), drawing the blocks before it first."""
         self.vocab = vocab
         while self.drawn <= position:
+            if not self.shared and self.generator is not None:
+                self.shared = not torch.equal(self.generator.get_state(), self.states[self.drawn - 1])
             self.blocks.append(self._draw())
             self.states[self.drawn] = self._state()
             self.drawn += 1
         return self.blocks[position - self.first][row]
 
-    def release(self, row: int, final: float) -> None:
-        """`row`'s tokens before position `final` are final (`DONE`: the row has ended); the blocks every row is
-        past go."""
+    def release(self, row: int, final: float, length: int = 0) -> None:
+        """`row`'s tokens before position `final` are final (`DONE`: the row has ended, with `length` new tokens);
+        the blocks every row is past go, and the states no rewind can reach."""
         self.finals[row] = final
+        self.longest = max(self.longest, length if final == DONE else int(final))
         drop = int(min(min(self.finals), self.drawn)) - self.first
         if drop > 0:
             del self.blocks[:drop]
             self.first += drop
-            self.states = {k: v for k, v in self.states.items() if k >= self.first - 1}
+        keep = min(self.longest, self.drawn) - 1
+        if min(self.states) < keep:
+            self.states = {k: v for k, v in self.states.items() if k >= keep}
 
     def settle(self, blocks: int) -> None:
         """Leave the generator as `blocks` plain sampling steps leave it (HF's draw one block a step, until the
         longest row ends), where blocks were drawn ahead for drafts past the end."""
         if self.generator is None or self.drawn <= blocks:
             return
-        if not torch.equal(self.generator.get_state(), self.states[self.drawn - 1]):
-            return  # another decode drew from it since (the server's requests share the default one): leave it
+        if self.shared or not torch.equal(self.generator.get_state(), self.states[self.drawn - 1]):
+            return  # another decode drew from it too (the server's requests share the default one): leave it
         if blocks - 1 in self.states:
             self.generator.set_state(self.states[blocks - 1])
             return
-        self.generator.set_state(self.start)  # the state after block blocks - 1 went with its block: draw again
+        self.generator.set_state(self.start)  # fewer blocks than a final token had: draw them again
         for _ in range(blocks):
             self._draw()
 

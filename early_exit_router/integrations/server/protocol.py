@@ -2,8 +2,9 @@
 
 Fields the OpenAI API defines but this server does not implement (several choices, log-probabilities, penalties,
 echo, tools) are refused with a 400 that names them, rather than silently ignored, unless they are null or ask for
-nothing (`NOTHING_ASKED`). `early_exit` is this server's
-extension: per-request routing (mode and thresholds), passed by the `openai` client as `extra_body`.
+nothing (`NOTHING_ASKED`); a null where OpenAI types a field "or null" asks for its default (`NULL_IS_DEFAULT`).
+`early_exit` is this server's extension: per-request routing (mode and thresholds), passed by the `openai` client
+as `extra_body`.
 
 Types are strict (`max_tokens: "8"` or `use_gate: "yes"` is refused, not coerced), floats must be finite (JSON's
 `NaN` and `Infinity` are refused for every float), text must be valid Unicode (a lone surrogate such as `"\\ud800"`
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Router fields a request may set for itself; everything else stays the server's (heads, exits, cost model).
 REQUEST_ROUTING_FIELDS = (
@@ -40,6 +41,8 @@ NOTHING_ASKED = {
     "functions": [],
     "tool_choice": "none",
 }
+# Fields OpenAI types "or null" with a default: null asks for the default (clients that serialize every field send it).
+NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "echo")
 # Below this temperature, sampling is greedy decoding (as vLLM treats it): dividing logits by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as OpenAI documents `seed` (torch takes no wider)
@@ -107,6 +110,13 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: Any = None
     early_exit: EarlyExitOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_ask_for_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
+        return data
 
     @field_validator("stop")
     @classmethod
