@@ -186,7 +186,7 @@ def test_batched_sampling_draws_hf_batched_samplings_tokens_and_leaves_the_gener
     assert drafts > 10
 
 
-def test_noise_leaves_its_generator_as_plain_sampling_would_unless_another_decode_drew_since():
+def test_noise_leaves_its_generator_as_plain_sampling_would_unless_another_decode_drew_from_it_too():
     from early_exit_router.decode.noise import SamplingNoise
 
     cpu = torch.device("cpu")
