@@ -212,6 +212,24 @@ def test_max_time_on_rows_run_alone_runs_plain_hf():
     assert router.last_stats is not None  # one sequence: routed
 
 
+def test_a_sampled_batch_run_row_by_row_draws_hf_batched_samplings_tokens():
+    """Rows decoded one after another each sample with their row of the (rows, vocab) noise HF's batch draws per
+    step: a seeded batch gives HF's batch tokens, and the generator ends where HF's batched sampling leaves it."""
+    model, router, rows, ids, mask = rows_alone(5)
+    plain = tiny_llama(0)  # built before seeding: building a model draws from the global generator
+    sampling = dict(do_sample=True, temperature=0.7, top_k=0, max_new_tokens=16, pad_token_id=0, attention_mask=mask)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            want = plain.generate(ids, **sampling)
+        after_hf = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        router.last_stats = None
+        routed = model.generate(ids, generation_config=GenerationConfig(early_exit_mode="verify"), **sampling)
+        assert router.last_stats is not None  # routed, each row alone
+        assert torch.equal(routed, want) and torch.equal(torch.random.get_rng_state(), after_hf), seed
+
+
 def test_a_residual_block_starts_as_exactly_its_postnorm_head():
     """Its block's update enters scaled by zero at the start and its post-norm map is a `postnorm` adapter, so a
     residual block warm-started from a trained `postnorm` head predicts exactly what that head does."""

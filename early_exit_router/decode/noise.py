@@ -28,9 +28,16 @@ class SamplingNoise:
     Exp(1) draws, drawn in the order of the positions when one is first needed (by any row) and kept until every
     row's token there is final."""
 
-    def __init__(self, generator: torch.Generator | None, rows: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        generator: torch.Generator | None,
+        rows: int,
+        device: torch.device,
+        batch_row: tuple[int, int] | None = None,
+    ) -> None:
         self.generator = generator if generator is not None else _default_generator(device)
         self.rows, self.device, self.vocab = rows, device, 0
+        self.batch_row = batch_row  # (r, b): one row decoded alone, row r of b-row blocks (`RowByRow`)
         self.drawn = 0  # blocks drawn
         self.first = 0  # the position of blocks[0]
         self.blocks: list[torch.Tensor] = []
@@ -79,8 +86,13 @@ class SamplingNoise:
             self._draw()
 
     def _draw(self) -> torch.Tensor:
-        block = torch.empty(self.rows, self.vocab, dtype=torch.float32, device=self.device)
-        return block.exponential_(generator=self.generator)
+        rows = self.rows if self.batch_row is None else self.batch_row[1]
+        block = torch.empty(rows, self.vocab, dtype=torch.float32, device=self.device)
+        block.exponential_(generator=self.generator)
+        if self.batch_row is None:
+            return block
+        r = self.batch_row[0]
+        return block[r : r + 1].clone()  # the row alone: the others' draws are not held
 
     def _state(self) -> torch.Tensor | None:
         return None if self.generator is None else self.generator.get_state()
@@ -97,7 +109,8 @@ def noise_sources(selectors: Sequence[TokenSelector], device: torch.device) -> l
             groups.setdefault(id(generator), []).append(r)
     sources: list[tuple[SamplingNoise | None, int]] = [(None, 0)] * len(selectors)
     for rows in groups.values():
-        noise = SamplingNoise(selectors[rows[0]].generator, len(rows), device)
+        first = selectors[rows[0]]
+        noise = SamplingNoise(first.generator, len(rows), device, first.batch_row if len(rows) == 1 else None)
         for k, r in enumerate(rows):
             sources[r] = (noise, k)
     return sources
@@ -108,6 +121,32 @@ def settle_generators(rows: Sequence[Any]) -> None:
     outputs leaves it (it draws one block a step until the longest row ends)."""
     for noise in {id(row.noise): row.noise for row in rows if row.noise is not None}.values():
         noise.settle(max(len(row.output()) for row in rows if row.noise is noise))
+
+
+class RowByRow:
+    """The generator of a sampled batch decoded one row after another (`output.run_rows_alone`): every row's decode
+    starts from the generator's state before the batch and samples with its row of the (rows, vocab) blocks (its
+    selector's `alone_in_batch`), so each row draws what HF's batched sampling draws for it; the batch leaves the
+    generator where its longest row's decode left it, as HF's batch draws until its longest row ends."""
+
+    def __init__(self, selector: TokenSelector, device: torch.device) -> None:
+        self.generator = None
+        if selector.params.do_sample:
+            self.generator = selector.generator if selector.generator is not None else _default_generator(device)
+        self.start = None if self.generator is None else self.generator.get_state()
+        self.longest, self.end = -1, None
+
+    def before_row(self) -> None:
+        if self.generator is not None:
+            self.generator.set_state(self.start)
+
+    def after_row(self, new_tokens: int) -> None:
+        if self.generator is not None and new_tokens > self.longest:
+            self.longest, self.end = new_tokens, self.generator.get_state()
+
+    def finish(self) -> None:
+        if self.end is not None:
+            self.generator.set_state(self.end)
 
 
 def skip_positions(generator: torch.Generator | None, count: int, vocab: int, device: torch.device) -> None:

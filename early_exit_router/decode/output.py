@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from early_exit_router.decode.loop import Decoder
+from early_exit_router.decode.noise import RowByRow
 from early_exit_router.decode.sampling import TokenSelector
 from early_exit_router.decode.stats import GenerationStats, combined_stats
 from early_exit_router.decode.stopping import DecodeRequest
@@ -63,18 +64,24 @@ def run_rows_alone(
 ) -> GenerationOutput:
     """A left-padded batch decoded one row after another by `decode_one(ids, mask, request=..., selector=...,
     pad_token_id=...)`, in a batch's output layout (for rows that cannot share a decoder; no cache). The caller's
-    processors and criteria still see each row's padding, as they would in the batch."""
+    processors and criteria still see each row's padding, and sampling each row's draws, as they would in the
+    batch (`noise.RowByRow`)."""
     outputs, rows, depths = [], [], []
-    for r in range(input_ids.shape[0]):
+    b = input_ids.shape[0]
+    noise = RowByRow(selector, input_ids.device)
+    for r in range(b):
         real = attention_mask[r].bool()
         ids = input_ids[r : r + 1, real]  # (1, n_r): the row without its left padding
         padding = input_ids[r : r + 1, ~real]  # (1, k): the padding
-        mine = selector.for_row(r, input_ids.shape[0]).after_padding(padding)
+        mine = selector.for_row(r, b).after_padding(padding).alone_in_batch(r, b)
+        noise.before_row()
         out = decode_one(ids, torch.ones_like(ids), request=request.after_padding(padding), selector=mine,
                          pad_token_id=pad)  # fmt: skip
         outputs.append(out.sequences[0, ids.shape[1] :])
+        noise.after_row(len(outputs[-1]))
         rows.append(out.stats)
         depths.append(list(out.depths))
+    noise.finish()
     return GenerationOutput(padded_sequences(input_ids, outputs, pad), combined_stats(rows), None, None, depths, rows)
 
 

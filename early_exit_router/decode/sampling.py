@@ -81,6 +81,7 @@ class TokenSelector:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
         self.padding: torch.Tensor | None = None  # (1, k) left padding the processors see first (`after_padding`)
+        self.batch_row: tuple[int, int] | None = None  # (r, rows): row r of a batch decoded alone (`alone_in_batch`)
 
     def after_padding(self, padding: torch.Tensor) -> TokenSelector:
         """This selector (its random generator shared) for a batch row decoded without its (1, k) left padding: the
@@ -88,6 +89,13 @@ class TokenSelector:
         end)."""
         selector = copy.copy(self)
         selector.padding = padding if padding.numel() else None
+        return selector
+
+    def alone_in_batch(self, r: int, rows: int) -> TokenSelector:
+        """This selector (its random generator shared) for row r of a batch of `rows` decoded one row after another:
+        its sampling noise is row r of the (rows, vocab) blocks HF's batched sampling draws (`decode/noise.py`)."""
+        selector = copy.copy(self)
+        selector.batch_row = (r, rows)
         return selector
 
     def for_row(self, r: int, rows: int) -> TokenSelector:
