@@ -105,8 +105,7 @@ def noise_sources(selectors: Sequence[TokenSelector], device: torch.device) -> l
     groups: dict[int, list[int]] = {}
     for r, selector in enumerate(selectors):
         if selector.params.do_sample:
-            generator = selector.generator or _default_generator(device)
-            groups.setdefault(id(generator), []).append(r)
+            groups.setdefault(id(_generator_of(selector, device)), []).append(r)
     sources: list[tuple[SamplingNoise | None, int]] = [(None, 0)] * len(selectors)
     for rows in groups.values():
         first = selectors[rows[0]]
@@ -130,9 +129,7 @@ class RowByRow:
     generator where its longest row's decode left it, as HF's batch draws until its longest row ends."""
 
     def __init__(self, selector: TokenSelector, device: torch.device) -> None:
-        self.generator = None
-        if selector.params.do_sample:
-            self.generator = selector.generator if selector.generator is not None else _default_generator(device)
+        self.generator = _generator_of(selector, device) if selector.params.do_sample else None
         self.start = None if self.generator is None else self.generator.get_state()
         self.longest, self.end = -1, None
 
@@ -155,6 +152,11 @@ def skip_positions(generator: torch.Generator | None, count: int, vocab: int, de
     if generator is not None:
         for _ in range(count):
             torch.empty(1, vocab, dtype=torch.float32, device=device).exponential_(generator=generator)
+
+
+def _generator_of(selector: TokenSelector, device: torch.device) -> torch.Generator | None:
+    """The generator `selector` samples from: its own (seeded), else the device's default one."""
+    return selector.generator if selector.generator is not None else _default_generator(device)
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:
