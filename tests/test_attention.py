@@ -17,39 +17,54 @@ needs_native = pytest.mark.skipif(
 )
 
 
-def chunk_logits(router: EarlyExitRouter, ids: torch.Tensor, split: int) -> torch.Tensor:
-    """Logits of `ids[:, split:]` run as one masked chunk over a cache holding `ids[:, :split]`."""
+served = [0]  # the masked calls `sdpa_native_gqa` served in the last chunk `chunk_logits` ran
+
+
+def chunk_logits(router: EarlyExitRouter, ids: torch.Tensor, split: int, padding: int = 0) -> torch.Tensor:
+    """Logits of `ids[:, split:]` run as one masked chunk over a cache holding `ids[:, :split]`; with `padding`, the
+    first row's first `padding` slots are left padding."""
     stack = router.stack
+    real = torch.ones(ids.shape, dtype=torch.long)
+    real[0, :padding] = 0
+    positions = (real.cumsum(1) - 1).clamp(min=0)  # (b, length): each row counts its real slots
+    mask = real if padding else None
     cache = stack.new_cache()
     with torch.no_grad():
-        stack.run(stack.embed(ids[:, :split]), 0, stack.num_layers, cache, torch.arange(split).unsqueeze(0))
-        rest = torch.arange(split, ids.shape[1]).unsqueeze(0)
-        return stack.logits(stack.run(stack.embed(ids[:, split:], split), 0, stack.num_layers, cache, rest))
+        head = stack.embed(ids[:, :split], positions=positions[:, :split])
+        stack.run(
+            head,
+            0,
+            stack.num_layers,
+            cache,
+            positions[:, :split],
+            attention_mask=None if mask is None else mask[:, :split],
+        )
+        rest = stack.embed(ids[:, split:], positions=positions[:, split:])
+        before = attention._native_calls[0]
+        out = stack.run(rest, 0, stack.num_layers, cache, positions[:, split:], attention_mask=mask)
+        served[0] = attention._native_calls[0] - before
+        return stack.logits(out)
 
 
 @needs_native
-def test_masked_passes_over_grouped_heads_give_hf_sdpas_numbers_bitwise(monkeypatch):
-    model = tiny_llama(0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_passes_over_grouped_heads_give_hf_sdpas_numbers_bitwise(monkeypatch, dtype):
+    model = tiny_llama(0, dtype=dtype)
     assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped heads
     router = EarlyExitRouter.from_model(model, tiny_tokenizer(), exit_layers=[1, 3])
-    ids = torch.tensor([[3, 17, 5, 9, 40, 41, 42, 3, 17, 5, 9, 40, 7, 8]])
-    calls = []
-    original = attention.sdpa_native_gqa
-
-    def counted(*args, **kwargs):
-        calls.append(args[4] is not None)  # whether a mask was given
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "sdpa_native_gqa", counted)
-    attention._register.cache_clear()
-    try:
-        got = chunk_logits(router, ids, 6)
-    finally:
-        attention._register.cache_clear()
-    assert sum(calls) == router.stack.num_layers  # the second chunk's masked attention, in every layer
+    stack = router.stack
+    one = [3, 17, 5, 9, 40, 41, 42, 3, 17, 5, 9, 40, 7, 8, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
+    ids = torch.tensor([one, one[::-1]])
+    # chunks of 2, 3, 8 and 20 positions, and a batch of two rows, one of them left-padded
+    cases = [(1, 22, 0), (1, 21, 0), (1, 16, 0), (1, 4, 0), (2, 16, 0), (2, 16, 3)]
+    got = []
+    for rows, split, padding in cases:
+        got.append(chunk_logits(router, ids[:rows], split, padding))
+        assert served[0] == stack.num_layers  # the masked chunk, in every layer
+        assert not attention._pass_masks.masks  # the pass's converted masks are dropped with it
     monkeypatch.setattr(architecture.LayerStack, "_attention", lambda self, positions: torch.no_grad())
-    want = chunk_logits(router, ids, 6)  # HF's sdpa: repeat_kv, then the kernel
-    assert torch.equal(got, want)
+    for (rows, split, padding), logits in zip(cases, got):
+        assert torch.equal(logits, chunk_logits(router, ids[:rows], split, padding))  # HF's sdpa: repeat_kv, kernel
     assert model.config._attn_implementation == "sdpa"
 
 

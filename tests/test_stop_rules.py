@@ -13,7 +13,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.decode.stopping import DecodeRequest, ends_generation
+from early_exit_router.decode.stopping import STOP_STRING_TAIL, DecodeRequest, ends_generation
 from early_exit_router.routing.costs import CostModel
 
 from .conftest import (
@@ -271,3 +271,25 @@ def test_a_stop_string_longer_than_the_default_tail_still_stops():
     assert end > 32
     out = router.generate(ids, max_new_tokens=60, mode="verify", stop_strings=[stop])
     assert out.sequences[0, ids.shape[1] :].tolist() == new[:end]
+
+
+def test_a_stop_string_split_by_more_skipped_special_tokens_than_the_tail_still_stops():
+    """Where stop strings are matched in the text without special tokens (the server's, as its client reads it),
+    the decoded tail counts only tokens that add text: a stop split by a long run of special tokens ends generation
+    at the token that completes it, and nowhere before."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["w36"]})
+    special = tokenizer.convert_tokens_to_ids("w36")
+    prompt_ids = [5, 17, 33]
+    tokens = [*prompt_ids, 90, 19, *[special] * (STOP_STRING_TAIL + 8), 42, 24]
+    request = DecodeRequest(
+        max_new_tokens=100, stop_strings=("w19 w42",), tokenizer=tokenizer, stop_strings_skip_special=True
+    )
+
+    def stops(request: DecodeRequest) -> list[int]:
+        """The lengths of `tokens` whose newest token ends generation."""
+        lengths = range(len(prompt_ids) + 1, len(tokens) + 1)
+        return [k for k in lengths if ends_generation(request, tokens[:k], len(prompt_ids), lambda: None)]
+
+    assert stops(request)[0] == len(tokens) - 1  # at the 42, the last token but one
+    assert not stops(dataclasses.replace(request, stop_strings_skip_special=False))  # HF's matching: "w36" is text

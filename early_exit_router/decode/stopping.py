@@ -54,8 +54,15 @@ class DecodeRequest:
 
     @cached_property
     def stop_string_tail(self) -> int:
-        """How many of the newest tokens are decoded to look for a stop string (see STOP_STRING_TAIL)."""
+        """How many of the newest tokens that add text are decoded to look for a stop string (see STOP_STRING_TAIL)."""
         return max(STOP_STRING_TAIL, 4 * max(map(len, self.stop_strings), default=0) + 1)
+
+    @cached_property
+    def textless_ids(self) -> frozenset[int]:
+        """The ids that add no text where stop strings are matched: the special tokens, where those are skipped."""
+        if not self.stop_strings_skip_special or self.tokenizer is None:
+            return frozenset()
+        return frozenset(self.tokenizer.all_special_ids)
 
 
 class AfterPadding:
@@ -124,12 +131,24 @@ def _stop_string_ends_here(request: DecodeRequest, tokens: list[int]) -> bool:
     def decode(ids: list[int]) -> str:
         return request.tokenizer.decode(ids, skip_special_tokens=request.stop_strings_skip_special)
 
-    low = max(len(tokens) - request.stop_string_tail, 0)
+    low = _tail_start(tokens, request.stop_string_tail, request.textless_ids)
     text, before = decode(tokens[low:]), decode(tokens[low:-1])
     shared = len(os.path.commonprefix([before, text]))  # text[shared:] is what the last token added
     first = request.stop_strings_from
     floor = len(decode(tokens[low:first])) if first is not None and first > low else 0  # where a stop may begin
     return any(text.find(s, max(floor, shared - len(s) + 1)) >= 0 for s in request.stop_strings)
+
+
+def _tail_start(tokens: list[int], tail: int, textless: frozenset[int]) -> int:
+    """Where the newest `tail` tokens of `tokens` that add text begin: tokens in `textless` (skipped special tokens)
+    are passed over uncounted, so a stop string split by any number of them is still found whole."""
+    if not textless:
+        return max(len(tokens) - tail, 0)
+    low, counted = len(tokens), 0
+    while low > 0 and counted < tail:
+        low -= 1
+        counted += tokens[low] not in textless
+    return low
 
 
 class StreamFrontier:
