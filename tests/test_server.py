@@ -129,6 +129,14 @@ def test_chat_stream_reassembles_to_the_non_streamed_text(server, smol):
     assert all(ch.usage is None for ch in chunks[:-1])  # null until the last chunk
 
 
+def test_chat_content_parts_are_read_one_per_line_as_vllm_joins_them(server, smol):
+    url, _ = server
+    parts = [{"type": "text", "text": "List three"}, {"type": "text", "text": "colours."}]
+    messages = [{"role": "user", "content": parts}]
+    full = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert full.choices[0].message.content == alone(smol, "List three\ncolours.", 20, chat=True)
+
+
 def test_per_request_routing_options(server):
     url, _ = server
     c = client(url)

@@ -193,10 +193,11 @@ class ChatMessage(BaseModel):
         return value
 
     def text(self) -> str:
-        """The message's text: a string, or its text parts joined (other part types are refused upstream)."""
+        """The message's text: a string, or its text parts one per line, as vLLM joins them for a chat template that
+        takes a string (other part types are refused upstream)."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content if part.type == "text")
+        return "\n".join(part.text or "" for part in self.content if part.type == "text")
 
     def non_text_parts(self) -> list[str]:
         if isinstance(self.content, str):
