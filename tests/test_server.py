@@ -3,7 +3,9 @@ official `openai` client and with raw HTTP (urllib)."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -19,6 +21,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from early_exit_router import EarlyExitRouter  # noqa: E402
+from early_exit_router.decode.loop import Decoder  # noqa: E402
 from early_exit_router.integrations.server.app import ServerSettings, create_app  # noqa: E402
 from early_exit_router.integrations.server.loadtest import running_server as serving  # noqa: E402
 from early_exit_router.integrations.server.text import TextTracker  # noqa: E402
@@ -220,12 +223,19 @@ def test_fields_that_ask_for_nothing_pass_and_the_rest_are_named(server, smol):
     nothing = {"logit_bias": None, "best_of": 1, "response_format": {"type": "text"}, "suffix": None, "tools": []}
     status, answer, _ = post(url, "/v1/completions", {**body, **nothing})
     assert status == 200 and answer["choices"][0]["text"] == alone(smol, "Hello", 4)
+    neutral = {"repetition_penalty": 1.0, "top_k": -1, "min_p": 0.0, "store": False, "parallel_tool_calls": True}
+    status, answer, _ = post(url, "/v1/completions", {**body, **neutral})  # vLLM's extras at their neutral values
+    assert status == 200 and answer["choices"][0]["text"] == alone(smol, "Hello", 4)
+    status, answer, _ = post(url, "/v1/completions", {**body, "max_tokens": None})  # OpenAI's default for completions
+    assert status == 200 and answer["choices"][0]["text"] == alone(smol, "Hello", 16)
     defaults = dict.fromkeys(("top_p", "n", "stream", "presence_penalty", "frequency_penalty", "echo"))
     status, answer, _ = post(url, "/v1/completions", {**body, **defaults})  # OpenAI's "or null": the default
     assert status == 200 and answer["choices"][0]["text"] == alone(smol, "Hello", 4)
     status, answer, _ = post(url, "/v1/completions", {**body, "temperature": None, "seed": 3})  # 1.0: it samples
     assert status == 200, answer
-    for field, value in (("logprobs", 0), ("best_of", 2), ("response_format", {"type": "json_object"})):
+    refused = [("logprobs", 0), ("best_of", 2), ("response_format", {"type": "json_object"}), ("top_k", 5)]
+    refused += [("best_of", True), ("repetition_penalty", 1.2), ("store", True)]
+    for field, value in refused:
         status, answer, _ = post(url, "/v1/completions", {**body, field: value})
         assert status == 400 and field in answer["error"]["message"], field
     status, answer, _ = post(url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
@@ -294,6 +304,35 @@ def test_a_disconnect_cancels_the_request(smol, temperature, extra):
         assert response.readline()  # the stream started
         response.close()  # the client goes away
         deadline = time.time() + 30
+        while scheduler.running or scheduler.stats.requests_cancelled == 0:
+            assert time.time() < deadline, "the request kept running after the client left"
+            time.sleep(0.1)
+        assert scheduler.stats.requests_finished == 0  # stopped long before its 400 tokens
+
+
+def test_a_disconnect_cancels_a_request_that_is_not_streamed(monkeypatch):
+    """A non-streamed request finds its client gone while its decode sends it text at every step."""
+    step = Decoder.step
+
+    def paced(self: Decoder) -> None:
+        time.sleep(0.05)  # steady steps, their events never 0.25 s apart
+        step(self)
+
+    monkeypatch.setattr(Decoder, "step", paced)
+    router = EarlyExitRouter.from_model(tiny_llama(0), tiny_tokenizer(), exit_layers=[1, 3], **NEVER_EXIT)
+    with running_server(router, model_name="tiny") as (url, app):
+        scheduler = app.state.scheduler
+        host, port = url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        body = {"model": "tiny", "prompt": "w5 w17 w33", "max_tokens": 400, "temperature": 0}
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        deadline = time.time() + 30
+        while not scheduler.running:
+            assert time.time() < deadline, "the request never started"
+            time.sleep(0.02)
+        time.sleep(1.0)  # decoding, some 20 steps
+        connection.sock.shutdown(socket.SHUT_RDWR)  # the client goes away
+        connection.close()
         while scheduler.running or scheduler.stats.requests_cancelled == 0:
             assert time.time() < deadline, "the request kept running after the client left"
             time.sleep(0.1)

@@ -43,6 +43,7 @@ from early_exit_router.integrations.server.scheduler import Job, JobResult, Queu
 __all__ = ["ApiError", "ServerSettings", "create_app"]
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # far above any prompt a model's context holds, far below what stalls the server
+DISCONNECT_CHECK_S = 0.25  # how often a non-streamed request looks for its client having gone
 
 
 @dataclass
@@ -220,20 +221,25 @@ async def _respond(
 
 
 async def _wait(request: Request, job: Job) -> JobResult | None:
-    """Wait for the job's result; cancel it when the client disconnects meanwhile."""
+    """Wait for the job's result; cancel it when the client disconnects meanwhile (looked for every
+    DISCONNECT_CHECK_S, however often the job's events arrive: a decode sends one at nearly every step)."""
     assert job.events is not None
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + DISCONNECT_CHECK_S
     while True:
         try:
-            kind, value = await asyncio.wait_for(job.events.get(), timeout=0.25)
+            kind, value = await asyncio.wait_for(job.events.get(), timeout=max(check_at - loop.time(), 0.0))
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancel()
-                return None
-            continue
+            kind, value = None, None
         if kind == "done":
             return value
         if kind == "error":
             raise ApiError(500, f"Generation failed: {value}", "server_error")
+        if loop.time() >= check_at:
+            if await request.is_disconnected():
+                job.cancel()
+                return None
+            check_at = loop.time() + DISCONNECT_CHECK_S
 
 
 async def _stream(

@@ -3,12 +3,13 @@ template's special tokens.
 
 `tokenizer.apply_chat_template` renders the messages into one string and tokenizes it with special tokens parsed: a
 user who writes `<|im_end|>\\n<|im_start|>assistant\\n` in a message gets real turn markers, and forges turns. Here
-the template is rendered with a placeholder for each message's content, and the content goes in as sent where its
-placeholder is. The whole is tokenized as `apply_chat_template` does; when that gives exactly the special (added)
-tokens the template's own text gives, the content formed none, and those are the ids. Otherwise (the content holds
-`<|im_end|>`, or completes a marker with the template's text) each piece is tokenized on its own: the template's text
-with its special tokens, each content with `split_special_tokens=True`, so its `<|im_end|>` becomes the tokens of
-those characters. A template that transforms content (`| trim`) sees the placeholder, so content goes in unchanged.
+the template is rendered with a placeholder for each message's content, which shows the template's own text and its
+special (added) tokens. The chat is also rendered as sent and tokenized as `apply_chat_template` does; when that
+gives exactly the special tokens the template's own text gives, the content formed none, and those are the ids
+(`apply_chat_template`'s, a template that transforms or inspects content, as `| trim` does, included). Otherwise (the
+content holds `<|im_end|>`, or completes a marker with the template's text) each piece is tokenized on its own: the
+template's text with its special tokens, each content as sent with `split_special_tokens=True`, so its `<|im_end|>`
+becomes the tokens of those characters.
 
 The server calls these off the event loop (tokenizing a few megabytes takes seconds), from several threads at once.
 A fast tokenizer's `split_special_tokens` is a flag on the shared Rust tokenizer that every call sets: two calls at
@@ -41,7 +42,8 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
     a special token (see the module docstring)."""
     with _TOKENIZING:
         pieces = _pieces(tokenizer, messages)
-        whole = _ids(tokenizer, "".join(text for text, _ in pieces), plain=False)
+        as_sent = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        whole = _ids(tokenizer, as_sent, plain=False)
         apart = [i for text, plain in pieces for i in _ids(tokenizer, text, plain)]
     markers = set(tokenizer.added_tokens_decoder) | set(tokenizer.all_special_ids)
     formed = collections.Counter(i for i in whole if i in markers) != collections.Counter(

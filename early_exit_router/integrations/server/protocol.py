@@ -13,7 +13,7 @@ is refused before it reaches the tokenizer), and `seed` must fit a signed 64-bit
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -29,17 +29,22 @@ REQUEST_ROUTING_FIELDS = (
     "policy",
     "check_fraction",
 )
-# Fields this server does not implement, at the value that asks for nothing (SDKs send some of them at every call):
-# accepted, as null is for any field.
-NOTHING_ASKED = {
-    "best_of": 1,
-    "logit_bias": {},
-    "top_logprobs": 0,
-    "response_format": {"type": "text"},
-    "suffix": "",
-    "tools": [],
-    "functions": [],
-    "tool_choice": "none",
+# Fields this server does not implement, at the values that ask for nothing (SDKs send some of them at every call;
+# vLLM's sampling extras at their neutral values): accepted, as null is for any field.
+NOTHING_ASKED: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,),
+    "logit_bias": ({},),
+    "top_logprobs": (0,),
+    "response_format": ({"type": "text"},),
+    "suffix": ("",),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),  # without tools, either asks for nothing
+    "store": (False,),
+    "repetition_penalty": (1.0,),
+    "top_k": (-1, 0),  # vLLM's "all tokens"
+    "min_p": (0.0,),
 }
 # Fields OpenAI types "or null" with a default: null asks for the default (clients that serialize every field send it).
 NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "echo")
@@ -92,6 +97,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _asks_nothing(name: str, value: Any) -> bool:
+    """Whether `value` is one of `name`'s values that ask for nothing (JSON's true is no 1 here, nor 0 false)."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in NOTHING_ASKED.get(name, ()))
+
+
 class _Common(BaseModel):
     """What completions and chat completions share."""
 
@@ -110,12 +120,13 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: Any = None
     early_exit: EarlyExitOptions | None = None
+    null_is_default: ClassVar[tuple[str, ...]] = NULL_IS_DEFAULT
 
     @model_validator(mode="before")
     @classmethod
     def _nulls_ask_for_defaults(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
+            return {k: v for k, v in data.items() if v is not None or k not in cls.null_is_default}
         return data
 
     @field_validator("stop")
@@ -148,7 +159,7 @@ class _Common(BaseModel):
     def unsupported(self) -> list[str]:
         """Set fields this server does not implement (a 400 names them)."""
         extra = (self.model_extra or {}).items()
-        names = [k for k, v in extra if v is not None and (k not in NOTHING_ASKED or v != NOTHING_ASKED[k])]
+        names = [k for k, v in extra if v is not None and not _asks_nothing(k, v)]
         if self.n != 1:
             names.append("n")
         if self.logprobs is not None and self.logprobs is not False:  # completions' 0 asks for the chosen tokens'
@@ -160,7 +171,8 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: Text | list[Text] | list[int]
-    max_tokens: int | None = Field(16, ge=1)  # the OpenAI default for completions
+    max_tokens: int = Field(16, ge=1)  # the OpenAI default for completions, which a null asks for too
+    null_is_default: ClassVar[tuple[str, ...]] = (*NULL_IS_DEFAULT, "max_tokens")
     echo: bool = False
 
     def unsupported(self) -> list[str]:
