@@ -37,7 +37,7 @@ class _PassMasks(threading.local):
     would convert a bool mask again in every layer (1-2% of a bf16 pass over 8 positions, measured)."""
 
     def __init__(self) -> None:
-        self.masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.masks: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 _pass_masks = _PassMasks()
@@ -91,11 +91,12 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     own conversion gives it, so the numbers stay bitwise); kept for the rest of the pass (`native_gqa`)."""
     if mask.dtype != torch.bool:
         return mask
-    hit = _pass_masks.masks.get(id(mask))
+    key = (id(mask), dtype)
+    hit = _pass_masks.masks.get(key)
     if hit is not None and hit[0] is mask:  # the reference held below keeps the id from being reused
         return hit[1]
     additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    _pass_masks.masks[id(mask)] = (mask, additive)
+    _pass_masks.masks[key] = (mask, additive)
     return additive
 
 
