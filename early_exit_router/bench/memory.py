@@ -8,6 +8,7 @@ Sliding-window layers hold at most their window.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -125,9 +126,16 @@ def packed_bytes(router: Any) -> int:
 
 @torch.no_grad()
 def measured_bytes(router: Any, context: int) -> int:
-    """What one routed generation at `context` positions holds: on CUDA the allocator's peak; elsewhere the bytes
-    of the weights, heads, draft head, prepacked copies and the returned cache (a prompt of `context` tokens and one
-    new one, so that the cache holds `context` positions)."""
+    """What one routed generation at `context` positions holds once it decodes (a prompt of `context` tokens and one
+    new one, so that the cache holds `context` positions): on CUDA the allocator's live bytes with the output held;
+    elsewhere the bytes of the weights, heads, draft head, prepacked copies and the returned cache."""
+    return generation_bytes(router, context)[0]
+
+
+@torch.no_grad()
+def generation_bytes(router: Any, context: int) -> tuple[int, int]:
+    """(held, peak) of one routed generation at `context` positions: held as `measured_bytes`; peak, on CUDA, the
+    allocator's peak, which the prefill's transient activations set (elsewhere the held bytes again)."""
     stack = router.stack
     ids = torch.randint(0, min(stack.vocab_size, 1000), (1, context), generator=torch.Generator().manual_seed(0))
     cuda = stack.device.type == "cuda"
@@ -136,8 +144,13 @@ def measured_bytes(router: Any, context: int) -> int:
         torch.cuda.reset_peak_memory_stats(stack.device)
     out = router.generate(ids.to(stack.device), max_new_tokens=1, mode="verify", do_sample=False)
     if cuda:
-        return int(torch.cuda.max_memory_allocated(stack.device))
+        # The budget counts what decoding holds; the peak also holds the prompt's activations (the first GPU run
+        # measured 2-3x the budget at 4096 positions that way), so it is reported apart.
+        gc.collect()  # the finished decoder's reference cycles
+        torch.cuda.synchronize(stack.device)
+        return int(torch.cuda.memory_allocated(stack.device)), int(torch.cuda.max_memory_allocated(stack.device))
     draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
     weights = list(router.model.parameters()) + list(router.model.buffers()) + list(router.heads.parameters())
     held = tensor_bytes(weights + ([] if draft is None else [draft.weight, draft.bias])) + cache_bytes(out.cache)
-    return held + packed_bytes(router)  # opaque tensors: counted as their weights' size, which is what they hold
+    held += packed_bytes(router)  # opaque tensors: counted as their weights' size, which is what they hold
+    return held, held

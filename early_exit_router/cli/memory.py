@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
-    from early_exit_router.bench.memory import measured_bytes, memory_budget
+    from early_exit_router.bench.memory import generation_bytes, memory_budget
 
     if args.context < 2:
         raise ValueError(f"--context must be at least 2 positions, got {args.context}.")
@@ -36,7 +36,10 @@ def run(args: argparse.Namespace) -> int:
     budget = memory_budget(router, args.context)
     report: dict[str, Any] = budget.to_dict()
     if args.measure:
-        report["measured"] = measured_bytes(router, args.context)
+        held, peak = generation_bytes(router, args.context)
+        report["measured"] = held
+        if router.stack.device.type == "cuda":
+            report["peak"] = peak
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -44,4 +47,6 @@ def run(args: argparse.Namespace) -> int:
     print(budget.markdown())
     if args.measure:
         print(f"\nmeasured: {report['measured'] / 2**20:.2f} MiB ({report['measured'] / budget.total - 1:+.1%})")
+        if "peak" in report:
+            print(f"allocator peak (the prefill's activations included): {report['peak'] / 2**20:.2f} MiB")
     return 0

@@ -156,7 +156,8 @@ def block_source(stack: Any) -> Callable[..., BlockAdapter]:
         if not residual:
             return BlockAdapter(block, stack.mask_kinds[idx])
         writers = residual_writers(block, stack.hidden_size)
-        adapter = BlockAdapter(block, stack.mask_kinds[idx], writers, stack.hidden_size)
+        # `mix` and `post` are made on the CPU; the identity check runs on the model's device (a GPU run failed here)
+        adapter = BlockAdapter(block, stack.mask_kinds[idx], writers, stack.hidden_size).to(stack.device)
         _check_starts_as_identity(adapter, stack)
         return adapter
 
