@@ -221,3 +221,20 @@ def test_discovery_finds_the_known_layouts(family):
     for name, value in EXPECTED_SPECS[family].items():
         assert getattr(spec, name) == value, name
     assert spec.embed_multiplier is None and spec.logit_multiplier is None
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_left_padded_batches_equal_hf_batched_greedy_with_learned_positions(family):
+    """HF numbers a left-padded row's padding slots 1 (`cumsum - 1`, then filled); a learned position table cannot
+    look up the negative positions the rows' own numbering gives padding, which failed with an IndexError."""
+    model = build(family)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, VOCAB, (3, 7), generator=generator)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate([0, 3, 5]):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    out = router.generate(ids, 12, mode="verify", attention_mask=mask)
+    assert torch.equal(out.sequences, ref)

@@ -317,6 +317,67 @@ def test_finished_rows_are_padded_as_hf_pads_them():
         assert router.last_stats is not None
 
 
+@pytest.mark.parametrize("kind", ["tensor", "numpy"])
+def test_pad_and_eos_ids_given_as_tensors_or_numpy_ints_are_used_as_hf_uses_them(kind):
+    """HF's generate takes token ids as tensors too; the pad id was ignored (rows padded with EOS) and a tensor EOS
+    id raised."""
+    import numpy as np
+
+    plain, model = tiny_llama(0), tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)
+    batch = torch.cat([prompt(5), prompt(6)])
+    ref = plain.generate(batch, max_new_tokens=10, do_sample=False)
+    first, second = ref[0, 6:].tolist(), ref[1, 6:].tolist()
+    early = next(t for t in first[1:5] if t not in second)  # ends row 0 only, a few tokens in
+    pad = next(t for t in range(2, 96) if t not in batch and t not in ref)  # a pad id in a prompt masks it there
+    wrap = torch.tensor if kind == "tensor" else np.int64
+    for eos in (wrap(early), torch.tensor([early]) if kind == "tensor" else np.array([early])):
+        want = plain.generate(batch, max_new_tokens=10, do_sample=False, eos_token_id=early, pad_token_id=pad)
+        got = model.generate(batch, max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=wrap(pad))
+        assert torch.equal(got, want) and got[0, -1] == pad
+        assert router.last_stats is not None
+
+
+class BanEverything:
+    def __call__(self, input_ids, scores):
+        return torch.full_like(scores, float("-inf"))
+
+
+def test_sampling_with_every_token_banned_raises_as_hf_does_not_token_zero():
+    """HF's multinomial refuses a row with nothing to draw; the router's seeded draw picked token 0 silently."""
+    from transformers import LogitsProcessorList
+
+    plain, model = tiny_llama(0), tiny_llama(0)
+    EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)
+    kwargs = dict(max_new_tokens=4, do_sample=True, logits_processor=LogitsProcessorList([BanEverything()]))
+    with pytest.raises(RuntimeError):
+        plain.generate(prompt(0), **kwargs)
+    with pytest.raises(RuntimeError, match="no token to draw"):
+        model.generate(prompt(0), **kwargs)
+
+
+class PenalizeInPlace:
+    """A processor that edits the scores it is handed, as a caller's own may."""
+
+    def __call__(self, input_ids, scores):
+        scores[:, 5] -= 100.0
+        return scores
+
+
+def test_output_scores_apply_an_in_place_processor_once_as_hf_does():
+    """The scores were recomputed from logits the decode's own processing had already edited in place."""
+    from transformers import LogitsProcessorList
+
+    plain, model = tiny_llama(0), tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)
+    kwargs = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    want = plain.generate(prompt(0), logits_processor=LogitsProcessorList([PenalizeInPlace()]), **kwargs)
+    got = model.generate(prompt(0), logits_processor=LogitsProcessorList([PenalizeInPlace()]), **kwargs)
+    assert router.last_stats is not None and torch.equal(got.sequences, want.sequences)
+    for mine, theirs in zip(got.scores, want.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+
+
 def test_greedy_ignores_temperature_as_hf_does():
     model = tiny_llama(0)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)

@@ -113,7 +113,9 @@ class TokenSelector:
         """(1, vocab) raw logits -> (1, vocab) scores the token is chosen from."""
         if self.padding is not None:
             input_ids = torch.cat([self.padding, input_ids], dim=1)
-        scores = self.processors(input_ids, logits.float())
+        # A copy, as HF hands its processors one: a processor may edit its scores in place, and the logits are kept
+        # (output_logits, and output_scores recomputed from them).
+        scores = self.processors(input_ids, logits.to(torch.float32, copy=True))
         if self.params.do_sample:
             scores = self.warpers(input_ids, scores)
         return scores
@@ -127,6 +129,13 @@ class TokenSelector:
         probs = torch.softmax(scores, dim=-1)
         if noise is None:
             return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(-1)
+        # torch.multinomial refuses such a row (as HF's sampling does); the draw's argmax would pick token 0 silently.
+        if not bool(torch.isfinite(probs).all()):
+            raise RuntimeError(
+                "Sampling found no token to draw: every score is -inf or NaN after the logits processors and warpers "
+                "(a processor that bans every token, or NaN logits). Loosen the processors, or load the model in a "
+                "wider dtype if the logits overflow."
+            )
         return (probs / noise).argmax(dim=-1)
 
 

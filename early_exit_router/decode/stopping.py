@@ -76,9 +76,12 @@ class AfterPadding:
 
 
 def as_eos_ids(value: int | Iterable[int] | None) -> list[int]:
-    """One EOS id or several (HF's `eos_token_id` takes either; None: none) as a list of ints."""
+    """One token id or several (HF's `eos_token_id` takes either, as ints, tensors or numpy values; None: none) as a
+    list of ints."""
     if value is None:
         return []
+    if hasattr(value, "tolist"):  # a tensor or a numpy array or scalar: a 0-d one gives an int
+        value = value.tolist()
     return [int(value)] if isinstance(value, int) else [int(e) for e in value]
 
 

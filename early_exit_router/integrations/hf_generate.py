@@ -208,8 +208,8 @@ def _routed_decoding(
         )
     stack = router.stack
     # Finished rows are filled as generate() fills them: its pad id, else its first EOS id (in the order given).
-    pad = generation_config.pad_token_id if isinstance(generation_config.pad_token_id, int) else None
-    pad = eos_ids[0] if pad is None and eos_ids else pad
+    pads = as_eos_ids(generation_config.pad_token_id)  # an int, or a tensor or numpy value as HF takes it
+    pad = pads[0] if pads else eos_ids[0] if eos_ids else None
     request = DecodeRequest(
         max_new_tokens=generation_config.max_length - input_ids.shape[1],
         eos_token_ids=frozenset(eos_ids),

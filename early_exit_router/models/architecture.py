@@ -233,7 +233,7 @@ class LayerStack:
         if self.position_embed is not None:  # learned absolute positions; rotary models add theirs in attention
             if positions is None:
                 positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-            hidden = hidden + self.position_embed(positions)
+            hidden = hidden + self.position_embed(positions.clamp(min=0))  # left padding sits below 0 (HF: at 1)
         return hidden
 
     def run(
