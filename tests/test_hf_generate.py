@@ -302,15 +302,22 @@ def test_stop_strings_passed_to_generate_are_matched_by_the_router():
         bare.generate(ids, max_new_tokens=12, do_sample=False, stop_strings=[stop])
 
 
-def test_finished_rows_are_padded_as_hf_pads_them():
-    """generate() fills finished rows of a batch with its pad id, else its first EOS id, in the order given."""
+def _a_batch_whose_row_0_ends_early():
+    """A plain model, a patched copy and its router, a batch of two prompts, HF's greedy output for it, and a token
+    that ends row 0 only, a few tokens in."""
     plain, model = tiny_llama(0), tiny_llama(0)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)
     batch = torch.cat([prompt(5), prompt(6)])
     ref = plain.generate(batch, max_new_tokens=10, do_sample=False)
     first, second = ref[0, 6:].tolist(), ref[1, 6:].tolist()
-    early = next(t for t in first[1:5] if t not in second)  # ends row 0 only, a few tokens in
-    other = next(t for t in range(2, early) if t not in first and t not in second)  # a smaller EOS id
+    early = next(t for t in first[1:5] if t not in second)
+    return plain, model, router, batch, ref, early
+
+
+def test_finished_rows_are_padded_as_hf_pads_them():
+    """generate() fills finished rows of a batch with its pad id, else its first EOS id, in the order given."""
+    plain, model, router, batch, ref, early = _a_batch_whose_row_0_ends_early()
+    other = next(t for t in range(2, early) if t not in ref[:, 6:])  # a smaller EOS id
     for eos in ([early, other], [other, early]):
         want = plain.generate(batch, max_new_tokens=10, do_sample=False, eos_token_id=eos)
         assert torch.equal(model.generate(batch, max_new_tokens=10, do_sample=False, eos_token_id=eos), want)
@@ -323,12 +330,7 @@ def test_pad_and_eos_ids_given_as_tensors_or_numpy_ints_are_used_as_hf_uses_them
     id raised."""
     import numpy as np
 
-    plain, model = tiny_llama(0), tiny_llama(0)
-    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode="verify", **NEVER_EXIT)
-    batch = torch.cat([prompt(5), prompt(6)])
-    ref = plain.generate(batch, max_new_tokens=10, do_sample=False)
-    first, second = ref[0, 6:].tolist(), ref[1, 6:].tolist()
-    early = next(t for t in first[1:5] if t not in second)  # ends row 0 only, a few tokens in
+    plain, model, router, batch, ref, early = _a_batch_whose_row_0_ends_early()
     pad = next(t for t in range(2, 96) if t not in batch and t not in ref)  # a pad id in a prompt masks it there
     wrap = torch.tensor if kind == "tensor" else np.int64
     for eos in (wrap(early), torch.tensor([early]) if kind == "tensor" else np.array([early])):
