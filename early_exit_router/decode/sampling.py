@@ -121,8 +121,9 @@ class TokenSelector:
         return scores
 
     def choose(self, input_ids: torch.Tensor, logits: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-        """(1, vocab) raw logits -> (1,) token id, on the logits' device (no host sync). Sampling draws with `noise`,
-        the position's (vocab,) draw (`decode/noise.py`; None: a fresh one, as torch.multinomial draws)."""
+        """(1, vocab) raw logits -> (1,) token id, on the logits' device (greedy: no host sync). Sampling draws with
+        `noise`, the position's (vocab,) draw (`decode/noise.py`; None: a fresh one, as torch.multinomial draws), after
+        one host sync that checks there is something to draw."""
         scores = self.scores(input_ids, logits)
         if not self.params.do_sample:
             return scores.argmax(dim=-1)
