@@ -482,8 +482,8 @@ class EarlyExitRouter:
             getattr(self.tokenizer, "pad_token_id", None),
             getattr(self._model.generation_config, "pad_token_id", None),
         ):
-            if isinstance(candidate, int):
-                return candidate
+            if ids := as_eos_ids(candidate):  # an int, or a tensor or numpy value as HF takes it
+                return ids[0]
         eos = self.eos_token_ids() if eos_token_ids is None else eos_token_ids
         return min(eos, default=0)
 

@@ -113,9 +113,9 @@ class TokenSelector:
         """(1, vocab) raw logits -> (1, vocab) scores the token is chosen from."""
         if self.padding is not None:
             input_ids = torch.cat([self.padding, input_ids], dim=1)
-        # A copy, as HF hands its processors one: a processor may edit its scores in place, and the logits are kept
-        # (output_logits, and output_scores recomputed from them).
-        scores = self.processors(input_ids, logits.to(torch.float32, copy=True))
+        # Processors get a copy, as HF hands them one: a processor may edit its scores in place, and the logits are
+        # kept (output_logits, and output_scores recomputed from them). Without processors nothing needs one.
+        scores = self.processors(input_ids, logits.to(torch.float32, copy=True)) if self.processors else logits.float()
         if self.params.do_sample:
             scores = self.warpers(input_ids, scores)
         return scores
