@@ -25,7 +25,7 @@ from early_exit_router.decode.loop import Decoder
 from early_exit_router.decode.output import GenerationOutput, run_rows_alone, run_to_end
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stats import GenerationStats
-from early_exit_router.decode.stopping import DecodeRequest, as_criteria, as_eos_ids, as_stop_strings
+from early_exit_router.decode.stopping import DecodeRequest, as_criteria, as_stop_strings, as_token_ids
 from early_exit_router.heads.checkpoint import (
     SavedRouter,
     base_identity,
@@ -472,7 +472,7 @@ class EarlyExitRouter:
             eos_token_id = getattr(gen_config, "eos_token_id", None)
             if eos_token_id is None and self.tokenizer is not None:
                 eos_token_id = self.tokenizer.eos_token_id
-        return as_eos_ids(eos_token_id)
+        return as_token_ids(eos_token_id)
 
     def pad_token_id(self, eos_token_ids: Iterable[int] | None = None) -> int:
         """What finished rows of a batch are filled with: the tokenizer's or the model's pad token, else the
@@ -482,7 +482,7 @@ class EarlyExitRouter:
             getattr(self.tokenizer, "pad_token_id", None),
             getattr(self._model.generation_config, "pad_token_id", None),
         ):
-            if ids := as_eos_ids(candidate):  # an int, or a tensor or numpy value as HF takes it
+            if ids := as_token_ids(candidate):  # an int, or a tensor or numpy value as HF takes it
                 return ids[0]
         eos = self.eos_token_ids() if eos_token_ids is None else eos_token_ids
         return min(eos, default=0)

@@ -167,6 +167,21 @@ def test_family_contract(family):
     assert_same_model(before, model_fingerprint(model))
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(DISCOVERED))
+def test_bfloat16_passes_from_packed_weights_give_the_tokens_of_the_modules_own_products(family):
+    """bf16 products from packed weights equal `F.linear`'s bitwise, and a group's members (query, key and value;
+    gate and up) read their columns of one product as views: every family's attention and MLP code takes them, and
+    verify passes give the same tokens with packing on and off."""
+    router = EarlyExitRouter.from_model(build(family).to(torch.bfloat16), exit_layers=[1, 3], **MIXED)
+    if router.stack.packed_weights is None:
+        pytest.skip("this CPU does not compute bf16 natively: nothing is packed")
+    ids = prompt(0)
+    packed = router.generate(ids, max_new_tokens=24, mode="verify")
+    router.stack.use_packed_weights(False)
+    assert torch.equal(packed.sequences, router.generate(ids, max_new_tokens=24, mode="verify").sequences)
+    assert packed.stats.drafts_judged > 0
+
+
 @pytest.mark.parametrize("family", sorted(REFUSED))
 def test_a_family_the_stack_cannot_run_is_refused_with_the_reason(family):
     config, reason = REFUSED[family]
@@ -176,6 +191,32 @@ def test_a_family_the_stack_cannot_run_is_refused_with_the_reason(family):
     with pytest.raises(ValueError, match=reason):
         EarlyExitRouter.from_model(model, exit_layers=[1, 3])
     assert_same_model(before, model_fingerprint(model))
+
+
+def test_a_residual_block_finds_its_writers_by_running_the_layer():
+    """Phi3 registers its attention's output projection before its fused qkv projection: the writers are the
+    projections each part of the layer calls last, so a residual block builds there and verify stays greedy."""
+    model = build("phi3")
+    ids = prompt(0)
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter="residual_block", **MIXED)
+    adapter = router.heads.adapter(1)
+    assert adapter.writers == ["self_attn.o_proj", "mlp.down_proj"]
+    with torch.no_grad():
+        adapter.mix.fill_(0.5)  # the block's update enters, as after training
+    out = router.generate(ids, max_new_tokens=24, mode="verify")
+    assert torch.equal(out.sequences, ref) and out.stats.drafts_judged > 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_residual_block_on_a_mixture_of_experts_layer_is_refused_with_the_fix(family):
+    """Their MLP writes through fused experts, not one projection (its last call is the router's scores)."""
+    model = build(family)
+    before = model_fingerprint(model)
+    with pytest.raises(ValueError, match=r"found \['self_attn.o_proj'\]\). Use the 'block' or 'postnorm' adapter"):
+        EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter="residual_block")
+    assert_same_model(before, model_fingerprint(model))
+    assert EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter="block").heads.kinds[1] == "block"
 
 
 def test_discovery_measures_the_multipliers_and_the_self_test_refuses_wrong_ones():

@@ -296,14 +296,16 @@ def test_linears_that_read_one_input_run_one_product_and_each_gets_its_own_numbe
     def check(module, inputs):
         got = module(inputs)
         want = nn.functional.linear(inputs, module.weight, module.bias)
-        assert got.is_contiguous() and got.shape == want.shape
+        assert got.shape == want.shape
         assert torch.equal(got, want) if kernel.bitwise else torch.allclose(got, want, atol=1e-5, rtol=0)
+        return got
 
     with torch.no_grad():
         with packed.active([q, k, v, other]):
-            for module in (k, q, v):  # any order: the first call with an input computes the stacked product
-                check(module, x)
+            # any order: the first call with an input computes the stacked product, whose columns each one views
+            outputs = [check(module, x) for module in (k, q, v)]
             assert calls == [(128, 64)]
+            assert len({out.untyped_storage().data_ptr() for out in outputs}) == 1  # views of it, not copies
             check(q, y)  # another input: a product of its own over the stacked weight
             check(k, x)  # the latest product was y's now
             assert len(calls) == 3

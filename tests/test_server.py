@@ -339,6 +339,42 @@ def test_a_disconnect_cancels_a_request_that_is_not_streamed(monkeypatch):
         assert scheduler.stats.requests_finished == 0  # stopped long before its 400 tokens
 
 
+def test_requests_whose_clients_left_give_their_places_in_the_queue_up(monkeypatch):
+    """Queued requests whose clients went away turn no live request away: the worker drops them at its next step,
+    not once a slot frees for them."""
+    from early_exit_router.decode.sampling import SamplingParams
+    from early_exit_router.integrations.server.scheduler import Job, QueueFull, Scheduler
+
+    step = Decoder.step
+    monkeypatch.setattr(Decoder, "step", lambda self: (time.sleep(0.02), step(self))[1])
+    router = EarlyExitRouter.from_model(tiny_llama(0), tiny_tokenizer(), exit_layers=[1, 3], **NEVER_EXIT)
+    scheduler = Scheduler(router, max_queue=2, max_running=1)
+    jobs = [Job(torch.tensor([[5, 17, 33]]), 400, "verify", router.config, SamplingParams()) for _ in range(5)]
+    running, first, second, refused, live = jobs
+    deadline = time.time() + 30
+    try:
+        scheduler.submit(running)
+        while not scheduler.running:
+            assert time.time() < deadline, "the first request never started"
+            time.sleep(0.01)
+        scheduler.submit(first)
+        scheduler.submit(second)
+        with pytest.raises(QueueFull):
+            scheduler.submit(refused)
+        first.cancel()
+        second.cancel()  # their clients left; the running request still holds the only slot
+        while scheduler.queue_depth:
+            assert time.time() < deadline, "requests nobody reads still hold the queue"
+            time.sleep(0.01)
+        assert scheduler.stats.requests_finished == 0, "the queue emptied only once the slot was free"
+        scheduler.submit(live)
+        assert scheduler.stats.requests_cancelled == 2 and scheduler.running == 1
+    finally:
+        for job in jobs:
+            job.cancel()
+        scheduler.shutdown()
+
+
 def test_sampled_verify_requests_share_a_per_row_batch(smol):
     """Verify-mode sampling runs per row (each row keeps the full model's distribution), so sampled requests join
     the running batch like greedy ones."""

@@ -75,9 +75,9 @@ class AfterPadding:
         return self.criteria(torch.cat([self.padding, input_ids], dim=1), scores, **kwargs)
 
 
-def as_eos_ids(value: int | Iterable[int] | None) -> list[int]:
-    """One token id or several (HF's `eos_token_id` takes either, as ints, tensors or numpy values; None: none) as a
-    list of ints."""
+def as_token_ids(value: int | Iterable[int] | None) -> list[int]:
+    """One token id or several (HF's `eos_token_id` and `pad_token_id` take either, as ints, tensors or numpy values;
+    None: none) as a list of ints."""
     if value is None:
         return []
     if hasattr(value, "tolist"):  # a tensor or a numpy array or scalar: a 0-d one gives an int

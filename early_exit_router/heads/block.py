@@ -133,18 +133,32 @@ def _probe(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.rand(shape, generator=g).to(dtype=dtype, device=device)
 
 
-def residual_writers(block: nn.Module, width: int) -> list[str]:
-    """Names of the block's projections that write into the residual stream: the last projection (leaf with a 2-D
-    weight) of each direct child that has any, with `width` outputs (`self_attn.o_proj`, `mlp.down_proj` on
-    Llama-like layers). `block_source` checks numerically that zeroing their outputs makes the block the identity."""
-    writers = []
-    for child_name, child in block.named_children():
-        found = _projections(child)
-        if found:
-            name, module = found[-1]
-            if width in module.weight.shape:
-                writers.append(f"{child_name}.{name}" if name else child_name)
-    return writers
+def residual_writers(block: nn.Module, stack: Any, mask_kind: str) -> list[str]:
+    """Names of the block's projections that write into the residual stream (`self_attn.o_proj`, `mlp.down_proj` on
+    Llama-like layers), found by running the block once: per direct child, in registration order, the projection
+    (leaf with a 2-D weight) it calls last, where that one returns a tensor of `hidden_size` outputs. A child whose
+    last call returns something else (an MoE router's scores) has none. `block_source` then checks numerically that
+    zeroing their outputs makes the block the identity."""
+    last: dict[str, tuple[str, bool]] = {}  # child -> (its last projection called, whether it writes the stream)
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            writes = isinstance(output, torch.Tensor) and output.shape[-1] == stack.hidden_size
+            last[name.split(".")[0]] = (name, writes)
+
+        return hook
+
+    hidden = _probe((1, 4, stack.hidden_size), stack.dtype, stack.device)
+    positions = torch.arange(4, device=stack.device).unsqueeze(0)
+    handles = [module.register_forward_hook(record(name)) for name, module in _projections(block)]
+    try:
+        with torch.no_grad():
+            stack.run_module(block, mask_kind, hidden, None, positions)
+    finally:
+        for handle in handles:
+            handle.remove()
+    children = [name for name, _ in block.named_children()]
+    return [last[c][0] for c in children if c in last and last[c][1]]
 
 
 def block_source(stack: Any) -> Callable[..., BlockAdapter]:
@@ -155,7 +169,7 @@ def block_source(stack: Any) -> Callable[..., BlockAdapter]:
         block = copy.deepcopy(stack.layers[idx])
         if not residual:
             return BlockAdapter(block, stack.mask_kinds[idx])
-        writers = residual_writers(block, stack.hidden_size)
+        writers = residual_writers(block, stack, stack.mask_kinds[idx])
         # `mix` and `post` are made on the CPU; the identity check runs on the model's device (a GPU run failed here)
         adapter = BlockAdapter(block, stack.mask_kinds[idx], writers, stack.hidden_size).to(stack.device)
         _check_starts_as_identity(adapter, stack)
@@ -167,10 +181,13 @@ def block_source(stack: Any) -> Callable[..., BlockAdapter]:
 def _check_starts_as_identity(adapter: BlockAdapter, stack: Any) -> None:
     """A fresh `residual_block` must pass its input through unchanged (every residual write scaled to zero); a layer
     that writes into the residual stream some other way cannot host one."""
-    hidden = _probe((1, 4, stack.hidden_size), stack.dtype, stack.device) * 2 - 1
-    with torch.no_grad():
-        out = adapter(hidden, stack)
-    if len(adapter.writers) < 2 or not torch.allclose(out.float(), hidden.float(), atol=1e-5):
+    starts_as_identity = len(adapter.writers) >= 2
+    if starts_as_identity:
+        hidden = _probe((1, 4, stack.hidden_size), stack.dtype, stack.device) * 2 - 1
+        with torch.no_grad():
+            out = adapter(hidden, stack)
+        starts_as_identity = torch.allclose(out.float(), hidden.float(), atol=1e-5)
+    if not starts_as_identity:
         raise ValueError(
             f"A 'residual_block' adapter needs a layer whose attention and MLP each write into the residual stream "
             f"through one projection; {type(adapter.block).__name__} does not (found {adapter.writers}). Use the "

@@ -44,7 +44,7 @@ from early_exit_router.decode.inputs import padding_problem
 from early_exit_router.decode.output import GenerationOutput
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stats import plain_stats
-from early_exit_router.decode.stopping import DecodeRequest, as_eos_ids, as_stop_strings
+from early_exit_router.decode.stopping import DecodeRequest, as_stop_strings, as_token_ids
 from early_exit_router.models import _compat
 
 ROUTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -178,7 +178,7 @@ def _routed_decoding(
     want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
     want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
     # The merged config's EOS ids only (None: no EOS, as generate(eos_token_id=None) asks).
-    eos_ids = as_eos_ids(generation_config.eos_token_id)
+    eos_ids = as_token_ids(generation_config.eos_token_id)
     # The batch decoder returns no per-step scores; HF streamers take one row; a batch's rows decode at their own
     # pace, so criteria and processors that read the whole batch at once (or a row's index in it) see it only in HF.
     per_batch = batched and (want_scores or want_logits or streamer is not None or _reads_the_batch(
@@ -208,7 +208,7 @@ def _routed_decoding(
         )
     stack = router.stack
     # Finished rows are filled as generate() fills them: its pad id, else its first EOS id (in the order given).
-    pads = as_eos_ids(generation_config.pad_token_id)  # an int, or a tensor or numpy value as HF takes it
+    pads = as_token_ids(generation_config.pad_token_id)  # an int, or a tensor or numpy value as HF takes it
     pad = pads[0] if pads else eos_ids[0] if eos_ids else None
     request = DecodeRequest(
         max_new_tokens=generation_config.max_length - input_ids.shape[1],

@@ -222,7 +222,6 @@ class Scheduler:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting any more
                 job.loop.call_soon_threadsafe(job.events.put_nowait, event)
 
-    # --------------------------------------------------------------------------------------------- the worker
     def _work(self) -> None:
         while True:
             try:
@@ -252,6 +251,7 @@ class Scheduler:
                 self._cond.wait()
             if self._stop:
                 return False
+            self._waiting = _live(self._waiting, self.stats)
             admitted = []
             while self._waiting and self.running + len(admitted) < self.max_running:
                 admitted.append(self._waiting.popleft())
@@ -459,3 +459,12 @@ class Scheduler:
         result = JobResult(tracker.text, new_ids, reason, job.input_ids.shape[1], stats)
         self.stats.count_finished(stats)
         self.emit(job, ("done", result))
+
+
+def _live(waiting: collections.deque[Job], stats: SchedulerStats) -> collections.deque[Job]:
+    """The waiting jobs whose clients are still there (the others counted cancelled): a client that left gives its
+    place in the queue up at the worker's next step, not once a slot frees for it, so clients that time out and retry
+    cannot fill the queue with requests nobody reads."""
+    live = collections.deque(job for job in waiting if not job.cancelled.is_set())
+    stats.requests_cancelled += len(waiting) - len(live)
+    return live
