@@ -316,14 +316,16 @@ class EarlyExitRouter:
 
     def batch_config(self, config: RouterConfig | None = None) -> RouterConfig | None:
         """The config a batch runs under (block exits sit out), or None when its rows must run one after another."""
-        config = config or self.config
-        layout = self._batch_layout(config, config.mode, False)
+        layout = self._batch_layout(config := config or self.config, config.mode, False)
         return None if layout is None else layout[0]
 
-    def can_batch(self, config: RouterConfig | None = None, mode: str | None = None, sampling: bool = False) -> bool:
-        """Whether several rows under `config` share one decoder, rather than running one after another."""
-        config = config or self.config
-        return self._batch_layout(config, mode or config.mode, sampling) is not None
+    def can_batch(
+        self, config: RouterConfig | None = None, mode: str | None = None, sampling: bool = False, cache: bool = False
+    ) -> bool:
+        """Whether several rows under `config` share one decoder, rather than running one after another (`cache`:
+        one that returns the batch's cache, which a per-row batch does not)."""
+        layout = self._batch_layout(config := config or self.config, mode or config.mode, sampling)
+        return layout is not None and (not cache or layout[1] == "synchronous")
 
     def _batch_layout(self, config: RouterConfig, mode: str, sampling: bool) -> tuple[RouterConfig, str] | None:
         rows_can_change = _compat.cache_rows_can_change(self.stack.new_cache())
@@ -495,8 +497,7 @@ class EarlyExitRouter:
         asks; the result is cached on disk (see `routing/costs.py`). `refresh=True` measures again."""
         if self.cost_model is not None and not refresh:
             return self.cost_model
-        config = config or self.config
-        key = cost_key(self.stack, config.draft_vocab_size)
+        key = cost_key(self.stack, (config := config or self.config).draft_vocab_size)
         stale = self._measured is not None and self._measured.stale  # decoders timed steps the table does not fit
         if refresh or stale or self._measured is None or self._measured.key != key:  # in memory: no disk read per call
             self._measured = cost_model_for(self.stack, self.heads, config.draft_vocab_size, refresh=refresh or stale)
@@ -527,8 +528,7 @@ class EarlyExitRouter:
         """This router's store of earlier sequences for the n-gram tier, as `config` (default: the router's) sizes it;
         None where that config keeps no store (`ngram_store_tokens` 0, or the tier off): such a call neither reads
         nor adds to it. A config that sizes it differently starts a new one."""
-        cfg = config or self.config
-        if not cfg.ngram_tier or cfg.ngram_store_tokens <= 0:
+        if not (cfg := config or self.config).ngram_tier or cfg.ngram_store_tokens <= 0:
             return None
         store = self._ngram_store
         shape = (cfg.ngram_store_tokens, cfg.ngram_size, cfg.ngram_min_size)

@@ -292,8 +292,9 @@ class DraftingOptions:
     ngram_unverified: bool = field(
         default=False,
         metadata={
-            "help": "Exit mode: keep n-gram tokens without verifying them (faster, lossy, prone to repetition). "
-            "Verify mode always verifies."
+            "help": "Exit mode: keep n-gram tokens without verifying them (faster, lossy, prone to repetition); "
+            "calls with logits processors (min_new_tokens, suppressed or banned tokens) still verify them, so that the "
+            "processors judge every token. Verify mode always verifies."
         },
     )
     ngram_store_tokens: int = field(

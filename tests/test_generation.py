@@ -407,6 +407,25 @@ def test_ngram_tier_proposes_on_repetitive_text_and_fills_the_cache_in_exit_mode
     assert verified.stats.exit_histogram.get(-1, 0) > 0  # accepted copies count for the tier
 
 
+def test_unverified_ngram_copies_are_verified_for_calls_with_logits_processors():
+    """`ngram_unverified` keeps copies the full model never judged; a call with logits processors (here HF's
+    suppress_tokens and min_new_tokens) has them verified instead, so that the processors judge every token: with no
+    exits, exit mode then gives plain HF's output under the same processors."""
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(
+        model, exit_layers=[1, 3], max_pending=6, mode="exit", **{**NEVER_EXIT, **UNVERIFIED_NGRAM}
+    )
+    ids = repetitive_prompt()
+    first = model.generate(ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert router.last_stats.exit_histogram.get(-1, 0) > 0  # the tier copied, unverified
+    banned = max(set(first), key=first.count)
+    for asked in (dict(suppress_tokens=[banned]), dict(eos_token_id=banned, min_new_tokens=20)):
+        out = model.generate(ids, max_new_tokens=30, do_sample=False, **asked)
+        assert router.last_stats.exit_histogram.get(-1, 0) > 0 and router.last_stats.drafts_judged > 0
+        with router.disabled() as plain:
+            assert torch.equal(out, plain.generate(ids, max_new_tokens=30, do_sample=False, **asked)), asked
+
+
 @pytest.mark.parametrize("seed, check_fraction", [(0, 1.0), (1, 1.0), (2, 1.0), (0, 0.5), (1, 0.3)])
 def test_in_exit_mode_the_ngram_tier_drafts_while_exited_tokens_wait(seed, check_fraction):
     """Exits do not crowd out the tier: it drafts right after an exited token, and the one deep pass fills the

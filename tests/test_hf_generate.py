@@ -523,11 +523,20 @@ def test_stopping_criteria_are_handed_the_scores_hf_hands_them():
     assert router.last_stats is not None and torch.equal(out.sequences, want.sequences)
 
 
+PER_ROW_PROCESSORS = [
+    {"repetition_penalty": 1.4},  # holds each row's padding length
+    {"encoder_repetition_penalty": 1.5},  # hold the batch's prompts, one row each
+    {"encoder_no_repeat_ngram_size": 2},
+]
+
+
+@pytest.mark.parametrize("processor", PER_ROW_PROCESSORS, ids=lambda kw: next(iter(kw)))
 @pytest.mark.parametrize("design", ["synchronous", "per_row"])
-def test_a_padded_batch_with_a_repetition_penalty_is_routed_row_by_row_as_hf_penalizes(design):
-    """HF's repetition penalty holds each row's padding length and refuses a batch of another size: rows scored one
-    at a time (per-row verify, sampling) see their own row's, and verify mode equals HF's batched greedy. Prompts
-    that repeat themselves give the n-gram tier drafts to verify in either design."""
+def test_a_padded_batch_with_processors_that_hold_rows_is_routed_row_by_row_as_hf_processes(design, processor):
+    """HF's repetition penalty holds each row's padding length, its encoder penalties each row's prompt, and they
+    refuse (or divide by) a batch of another size: rows scored one at a time (per-row verify, sampling) see their
+    own row's, and verify mode equals HF's batched greedy. Prompts that repeat themselves give the n-gram tier
+    drafts to verify in either design."""
     model = tiny_llama(5)
     router = EarlyExitRouter.from_model(
         model, exit_layers=[1, 3], **{**MIXED, "batch_design": design, "ngram_tier": True, "ngram_min_size": 1}
@@ -535,13 +544,40 @@ def test_a_padded_batch_with_a_repetition_penalty_is_routed_row_by_row_as_hf_pen
     ids = torch.cat([prompt(5, 6).repeat(1, 3), prompt(6, 6).repeat(1, 3)])
     mask = torch.ones_like(ids)
     ids[0, :3], mask[0, :3] = 0, 0
-    kwargs = dict(max_new_tokens=12, pad_token_id=0, repetition_penalty=1.4, attention_mask=mask)
+    kwargs = dict(max_new_tokens=12, pad_token_id=0, attention_mask=mask, **processor)
     verify = GenerationConfig(early_exit_mode="verify")
     out = model.generate(ids, do_sample=False, generation_config=verify, **kwargs)
     assert router.last_stats is not None and router.last_stats.drafts_judged > 0
     assert torch.equal(out, plain_generate(5, ids, do_sample=False, **kwargs))
     sampled = model.generate(ids, do_sample=True, generation_config=verify, **kwargs)
     assert router.last_stats is not None and router.last_stats.drafts_judged > 0 and sampled.shape[0] == 2
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled verify", "per_row design"])
+def test_a_batch_decoded_per_row_returns_the_runs_cache_by_running_plain_hf(sampled):
+    """A batch decoded per row (sampling in verify mode, or `batch_design="per_row"`) keeps no batch cache: asked for
+    the outputs as a dict with the run's cache, it runs plain HF and returns HF's; without a cache it is routed."""
+    from early_exit_router.models import _compat
+
+    model, plain = tiny_llama(5), tiny_llama(5)
+    router = EarlyExitRouter.from_model(
+        model, exit_layers=[1, 3], mode="verify", **{**MIXED, "batch_design": "per_row"}
+    )
+    ids = torch.cat([prompt(5, 6), prompt(6, 6)])
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0
+    asked = dict(attention_mask=mask, max_new_tokens=8, do_sample=sampled, pad_token_id=0, return_dict_in_generate=True)
+    router.last_stats = None
+    torch.manual_seed(3)
+    out = model.generate(ids, **asked)
+    torch.manual_seed(3)
+    want = plain.generate(ids, **asked)
+    assert router.last_stats is None and torch.equal(out.sequences, want.sequences)
+    assert _compat.forward_cache(out).get_seq_length() == want.sequences.shape[1] - 1
+    torch.manual_seed(3)
+    out = model.generate(ids, **asked, use_cache=False)
+    assert router.last_stats is not None and torch.equal(out.sequences, want.sequences)
+    assert _compat.forward_cache(out) is None
 
 
 def test_calls_with_their_own_positions_masks_or_cache_layout_run_plain_hf():

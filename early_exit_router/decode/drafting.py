@@ -206,7 +206,10 @@ def append_ngram(dec: DecodeState, proposals: list[Proposal | None]) -> int:
     their embeddings wait in front of segment 0. A row stops drafting at a token that ends its generation. Returns
     how many slots were appended."""
     q = dec.slots.length - 1
-    verified = dec.mode == "verify" or not dec.config.ngram_unverified
+    # Unverified copies would pass the rows' logits processors by (min_new_tokens, suppressed or banned tokens):
+    # with any of those they are verified, so that the processors judge them.
+    unverified = dec.config.ngram_unverified and not any(row.selector.processors for row in dec.rows)
+    verified = dec.mode == "verify" or not unverified
     if verified and dec.cycle is None:  # exit mode: the tokens waiting now stay final; verify what follows
         dec.cycle = VerifyCycle(q)
     tier, vocab, device = len(dec.exits), dec.stack.vocab_size, dec.slots.seq.device

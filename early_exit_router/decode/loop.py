@@ -157,7 +157,7 @@ class Decoder(DecodeState):
             raise ValueError("Block adapters keep a context per sequence: consult other exits in batches.")
         cache = self.stack.new_cache()
         cfg = self.config
-        if self.mode == "verify" or (cfg.ngram_tier and not cfg.ngram_unverified) or self.costs is not None:
+        if self.mode == "verify" or cfg.ngram_tier or self.costs is not None:  # (unverified copies: see append_ngram)
             _compat.prepare_for_rollback(cache)  # sliding layers keep what a rollback may need
         blocks = {i: BlockContext() for i in self.block_exits}
         self.fill = LayerwiseFill(self.stack, self.heads, self.exits, cache, blocks, self.costs)
@@ -334,7 +334,7 @@ class Decoder(DecodeState):
     # ------------------------------------------------------------------------------------------------ drafting
     def _draft_ngram(self) -> bool:
         """The n-gram tier in a cascade step (one sequence): what followed the last tokens before, as drafts. Exit
-        mode verifies them too (unless `ngram_unverified`), also past waiting exited tokens (final, only checked)."""
+        mode verifies them too (`append_ngram`), also past waiting exited tokens (final, only checked)."""
         row = self.rows[0]
         budget = min(self.config.ngram_draft, self._draft_budget(row))
         proposal, _ = propose_ngram(self, row, budget)

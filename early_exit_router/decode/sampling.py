@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 from transformers.generation.logits_process import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
     LogitsProcessor,
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -142,11 +144,19 @@ class TokenSelector:
 
 def _row_of(processor: LogitsProcessor, r: int, rows: int) -> LogitsProcessor:
     """`processor` as row r of a batch of `rows` sees it alone: a copy holding row r's value where it holds one per
-    row (HF's repetition penalty: the padding length of each row, which it refuses to apply to another batch size)."""
+    row, which HF's processors refuse to apply to another batch size (the repetition penalty: each row's padding
+    length; the encoder repetition penalty: each row's prompt; encoder n-gram blocking: each row's prompt n-grams)."""
+    mine = copy.copy(processor)
     if isinstance(processor, RepetitionPenaltyLogitsProcessor):
         ignore = processor.prompt_ignore_length
         if torch.is_tensor(ignore) and ignore.dim() == 1 and ignore.shape[0] == rows:
-            mine = copy.copy(processor)
             mine.prompt_ignore_length = ignore[r : r + 1]
             return mine
+    elif isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
+        if processor.encoder_input_ids.shape[0] == rows:
+            mine.encoder_input_ids = processor.encoder_input_ids[r : r + 1]
+            return mine
+    elif isinstance(processor, EncoderNoRepeatNGramLogitsProcessor) and processor.batch_size == rows:
+        mine.batch_size, mine.generated_ngrams = 1, processor.generated_ngrams[r : r + 1]
+        return mine
     return processor

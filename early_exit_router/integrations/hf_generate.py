@@ -8,7 +8,9 @@ them to the router's decode loop through transformers' `custom_generate` callabl
 added to `generate`'s keyword arguments.
 
 Batches (several sequences, left padding) run through the router's batch decoder, except per-step scores or logits,
-streamers, and criteria or processors that read the batch whole (`_reads_the_batch`), which run plain HF generation.
+streamers, criteria or processors that read the batch whole (`_reads_the_batch`), and outputs as a dict with the
+run's cache where the batch decodes per row (sampling in verify mode; it keeps no batch cache), which run plain HF
+generation.
 Calls the router cannot serve (beam search, assisted generation, a user's own `custom_generate`, a cache to continue
 from, guidance and watermarks (processors with state of their own), token healing, synced GPUs, `position_ids`, masks
 that are not left padding, per-step scores beside a user's own stopping criteria, which may read them) run plain HF
@@ -189,8 +191,12 @@ def _routed_decoding(
     # A batch whose rows decode one after another would run them all on HF's one max_time clock: the first row
     # could spend it all, where HF's batch gives every row the same steps.
     timed = any(isinstance(c, MaxTimeCriteria) for c in stopping_criteria or ())
-    timed_alone = batched and timed and not router.can_batch(None, mode, bool(generation_config.do_sample))
-    if plain_cache or per_batch or unpadded or scored or timed_alone:
+    sampling = bool(generation_config.do_sample)
+    timed_alone = batched and timed and not router.can_batch(None, mode, sampling)
+    # HF returns the run's cache with the outputs; a batch decoded per row (or row after row) has none to return.
+    keeps_cache = generation_config.return_dict_in_generate and generation_config.use_cache is not False
+    cacheless = batched and keeps_cache and not router.can_batch(None, mode, sampling, cache=True)
+    if plain_cache or per_batch or unpadded or scored or timed_alone or cacheless:
         if streamer is not None:  # generate() skipped the prompt's put: the streamer was ours to handle
             streamer.put(input_ids.cpu())
         if stops[0]:
@@ -220,9 +226,7 @@ def _routed_decoding(
         output_logits=want_scores or want_logits,
     )
     # HF's processors already hold the sampling warpers (temperature, top-k, top-p): no second set here
-    selector = TokenSelector(
-        SamplingParams(do_sample=bool(generation_config.do_sample)), stack.device, logits_processor
-    )
+    selector = TokenSelector(SamplingParams(do_sample=sampling), stack.device, logits_processor)
     ids, mask = router.check_input_ids(input_ids, mask)
     out = router.decode(ids, mask, request, selector, mode=mode, pad_token_id=pad)
     router.last_stats = out.stats
