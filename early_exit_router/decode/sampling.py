@@ -146,17 +146,21 @@ def _row_of(processor: LogitsProcessor, r: int, rows: int) -> LogitsProcessor:
     """`processor` as row r of a batch of `rows` sees it alone: a copy holding row r's value where it holds one per
     row, which HF's processors refuse to apply to another batch size (the repetition penalty: each row's padding
     length; the encoder repetition penalty: each row's prompt; encoder n-gram blocking: each row's prompt n-grams)."""
-    mine = copy.copy(processor)
     if isinstance(processor, RepetitionPenaltyLogitsProcessor):
         ignore = processor.prompt_ignore_length
         if torch.is_tensor(ignore) and ignore.dim() == 1 and ignore.shape[0] == rows:
-            mine.prompt_ignore_length = ignore[r : r + 1]
-            return mine
+            return _with(processor, prompt_ignore_length=ignore[r : r + 1])
     elif isinstance(processor, EncoderRepetitionPenaltyLogitsProcessor):
-        if processor.encoder_input_ids.shape[0] == rows:
-            mine.encoder_input_ids = processor.encoder_input_ids[r : r + 1]
-            return mine
+        if processor.encoder_input_ids.shape[0] == rows:  # (rows, n): each row's prompt
+            return _with(processor, encoder_input_ids=processor.encoder_input_ids[r : r + 1])
     elif isinstance(processor, EncoderNoRepeatNGramLogitsProcessor) and processor.batch_size == rows:
-        mine.batch_size, mine.generated_ngrams = 1, processor.generated_ngrams[r : r + 1]
-        return mine
+        return _with(processor, batch_size=1, generated_ngrams=processor.generated_ngrams[r : r + 1])
     return processor
+
+
+def _with(processor: LogitsProcessor, **values: Any) -> LogitsProcessor:
+    """A shallow copy of `processor` holding `values` in place of its own."""
+    mine = copy.copy(processor)
+    for name, value in values.items():
+        setattr(mine, name, value)
+    return mine
