@@ -19,6 +19,7 @@ from torch import nn
 
 from early_exit_router._version import __version__
 from early_exit_router.config import MODES, RouterConfig
+from early_exit_router.config_checks import split_config
 from early_exit_router.decode.batch import batch_layout
 from early_exit_router.decode.inputs import check_input_ids, check_length
 from early_exit_router.decode.loop import Decoder
@@ -116,6 +117,9 @@ class EarlyExitRouter:
         """
         _compat.check_supported()
         hf_generate.check_patchable(model)
+        if isinstance(tokenizer, (RouterConfig, Mapping)):
+            raise TypeError("from_model(model, tokenizer, config): the second argument is the tokenizer (or None).")
+        config, overrides = split_config(config, overrides, RouterConfig)
         name = name_or_path or getattr(model.config, "_name_or_path", "") or type(model).__name__
         name = str(Path(name).resolve()) if Path(name).exists() else name  # a relative path: from anywhere later
         if heads is not None:
@@ -154,7 +158,8 @@ class EarlyExitRouter:
         dense. `pack_weights`: see `from_model`. `warm_up=False` leaves to the first call what `warm_up()` pays here
         (the cost table, kernels' first calls): for a router that will not decode (training, reports).
         """
-        dtype = parse_dtype(dtype)
+        dtype, (config, overrides) = parse_dtype(dtype), split_config(config, overrides, RouterConfig)
+        RouterConfig.check_names(overrides)  # before any weight is loaded
         saved = saved_router(str(name_or_path))
         source = saved_base(str(name_or_path), saved) if is_router_dir(str(name_or_path)) else str(name_or_path)
         model, tokenizer, name = load_base_model(source, dtype, device, quantize)
@@ -207,7 +212,7 @@ class EarlyExitRouter:
     def unpatch(self) -> nn.Module:
         """Remove everything the patch added and return the original model object. The router is unusable after."""
         self._require_patched()
-        hf_generate.detach(self._model)
+        hf_generate.detach(self._model, release=True)
         self.stack.use_packed_weights(False)  # frees the packed copies
         self._state = "unpatched"
         return self._model
@@ -435,14 +440,9 @@ class EarlyExitRouter:
     def call_config(self, config: RouterConfig | Mapping[str, Any] | None = None) -> RouterConfig:
         """The routing config of one call: the router's, another `RouterConfig`, or the router's with the fields in
         a mapping changed. Checked against the loaded heads."""
-        if config is None:
-            cfg = self.config
-        elif isinstance(config, RouterConfig):
-            cfg = config
-        elif isinstance(config, Mapping):
-            cfg = self.config.replace(**config)
-        else:
-            raise TypeError(f"config must be a RouterConfig or a mapping of its fields, got {type(config).__name__}.")
+        cfg, changes = split_config(config, {}, RouterConfig)
+        cfg = (cfg or self.config).replace(**changes)
+        cfg = cfg if cfg.exit_layers is not None else cfg.replace(exit_layers=self.heads.exit_layers)  # the default
         if cfg.exit_layers != self.heads.exit_layers:
             raise ValueError(
                 f"config.exit_layers {cfg.exit_layers} differ from the loaded heads' {self.heads.exit_layers}: "

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from early_exit_router.config_checks import check_booleans, check_exit_layers, check_integers, check_unit_interval
+from early_exit_router.config_checks import (
+    as_exit_adapters,
+    as_layers,
+    check_booleans,
+    check_exit_layers,
+    check_integers,
+    check_unit_interval,
+)
 
 MODES = ("exit", "verify")
 POLICIES = ("cost", "fixed")
@@ -86,23 +93,12 @@ class HeadLayout:
 
     def _check_layout(self) -> None:
         if self.exit_layers is not None:
-            self.exit_layers = [int(e) for e in self.exit_layers]
+            self.exit_layers = as_layers("exit_layers", self.exit_layers)
             check_exit_layers(self.exit_layers)
         if self.adapter not in ADAPTER_KINDS:
             raise ValueError(f"Unknown adapter {self.adapter!r}: use one of {', '.join(ADAPTER_KINDS)}.")
         if self.exit_adapters is not None:
-            # JSON keys are strings: back to layer indices, in depth order.
-            kinds = {int(e): kind for e, kind in self.exit_adapters.items()}
-            self.exit_adapters = {e: kinds[e] for e in sorted(kinds)}
-            for e, kind in self.exit_adapters.items():
-                if kind not in ADAPTER_KINDS:
-                    raise ValueError(f"Unknown adapter {kind!r} for exit {e}: use one of {', '.join(ADAPTER_KINDS)}.")
-            stray = sorted(set(self.exit_adapters) - set(self.exit_layers or []))
-            if stray:
-                raise ValueError(
-                    f"exit_adapters names layers {stray} that are not exit layers {self.exit_layers}: give every "
-                    "layer it names in exit_layers too."
-                )
+            self.exit_adapters = as_exit_adapters(self.exit_adapters, self.exit_layers, ADAPTER_KINDS)
         check_integers(self, {"adapter_rank": 1, "draft_vocab_size": 0})
 
 
@@ -182,7 +178,7 @@ class CascadeOptions:
 
     def _check_cascade(self) -> None:
         if self.active_exit_layers is not None:
-            self.active_exit_layers = [int(e) for e in self.active_exit_layers]
+            self.active_exit_layers = as_layers("active_exit_layers", self.active_exit_layers)
         for name in ("high_conf_threshold", "low_conf_threshold", "gate_threshold", "window_min_confidence"):
             check_unit_interval(name, getattr(self, name))
         if self.low_conf_threshold > self.high_conf_threshold:
@@ -366,7 +362,8 @@ class MonitoringOptions:
         default=None,
         metadata={
             "help": "Exit mode's quality target: the teacher-forced agreement of the output with the full model (the "
-            "share of tokens that are its greedy choice given the same prefix) that the threshold controller holds. "
+            "share of tokens that are its choice given the same prefix: greedy after the logits processors, or its "
+            "draw with the same noise when sampling) that the threshold controller holds. "
             "From the exit checks since the thresholds last moved (at most controller_window) it raises both "
             "confidence thresholds as soon as the estimate misses the target, lowers them slowly once a 90% upper "
             "bound on the disagreement is within it, and stops exiting (drafts stay verified) when no threshold "
@@ -453,9 +450,7 @@ class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayou
 
         A new `high_conf_threshold` given without `low_conf_threshold` takes the low threshold down with it where
         the old one would lie above it (a calibrated config uses the confidence rule alone, low = high)."""
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
-        if unknown:
-            raise TypeError(f"Unknown RouterConfig fields {unknown}; valid fields: {', '.join(self.field_names())}.")
+        self.check_names(changes)
         high = changes.get("high_conf_threshold")
         if "low_conf_threshold" not in changes and isinstance(high, (int, float)) and self.low_conf_threshold > high:
             changes["low_conf_threshold"] = high
@@ -464,6 +459,12 @@ class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayou
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def check_names(cls, changes: Any) -> None:
+        """Unknown field names in `changes` raise a TypeError listing the valid ones."""
+        if unknown := sorted(set(changes) - set(cls.field_names())):
+            raise TypeError(f"Unknown RouterConfig fields {unknown}; valid fields: {', '.join(cls.field_names())}.")
 
     @staticmethod
     def groups() -> dict[str, list[str]]:

@@ -3,12 +3,48 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
 def check_unit_interval(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
         raise ValueError(f"{name} must be in [0, 1], got {value!r}.")
+
+
+def as_layers(name: str, value: Any) -> list[int]:
+    """`value` as a list of layer indices: a list or tuple of integers (integral floats, as JSON may hold, pass);
+    anything else (a string, one number, fractions) is refused rather than read as something else."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a list of layer indices, e.g. [10, 20], got {value!r}.")
+    layers = []
+    for e in value:
+        if isinstance(e, float) and e.is_integer():
+            e = int(e)
+        if not isinstance(e, numbers.Integral) or isinstance(e, bool):
+            raise ValueError(f"{name} must be a list of layer indices, e.g. [10, 20], got {value!r}.")
+        layers.append(int(e))
+    return layers
+
+
+def as_exit_adapters(value: Any, exit_layers: list[int] | None, kinds: Sequence[str]) -> dict[int, str]:
+    """`exit_adapters` as {layer: adapter kind} in depth order (JSON's string keys back to indices); every layer it
+    names must be an exit layer, every kind one of `kinds`."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"exit_adapters maps exit layers to adapters, e.g. {{16: 'block'}}, got {value!r}.")
+    layers = as_layers("exit_adapters' layers", [int(e) if isinstance(e, str) and e.isdigit() else e for e in value])
+    adapters = dict(sorted(zip(layers, value.values())))
+    for e, kind in adapters.items():
+        if kind not in kinds:
+            raise ValueError(f"Unknown adapter {kind!r} for exit {e}: use one of {', '.join(kinds)}.")
+    stray = sorted(set(adapters) - set(exit_layers or []))
+    if stray:
+        raise ValueError(
+            f"exit_adapters names layers {stray} that are not exit layers {exit_layers}: give every layer it names "
+            "in exit_layers too."
+        )
+    return adapters
 
 
 def check_exit_layers(layers: list[int]) -> None:
@@ -34,3 +70,13 @@ def check_booleans(config: Any) -> None:
         value = getattr(config, f.name)
         if f.type in ("bool", bool) and not isinstance(value, bool):
             raise ValueError(f"{f.name} must be true or false, got {value!r}.")
+
+
+def split_config(config: Any, overrides: dict[str, Any], config_type: type) -> tuple[Any, dict[str, Any]]:
+    """A `config` argument as (a `config_type` (RouterConfig) or None, field changes): a mapping of fields joins
+    `overrides` (which win); anything else is refused with what to pass."""
+    if config is None or isinstance(config, config_type):
+        return config, overrides
+    if isinstance(config, Mapping):
+        return None, {**config, **overrides}
+    raise TypeError(f"config must be a RouterConfig or a mapping of its fields, got {type(config).__name__}.")

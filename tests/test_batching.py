@@ -83,6 +83,29 @@ def test_rows_that_stop_early_are_padded_like_hf():
         out = router.generate(ids, 12, mode=mode, attention_mask=mask, eos_token_id=eos, config=config)
         assert torch.equal(out.sequences, reference), mode
         assert out.row_stats[1].new_tokens < 12  # row 1 finished on its own
+        walls = [r.wall_time_s for r in out.row_stats]  # its wall time stopped there, the others' ran on
+        assert walls[1] < min(walls[0], walls[2]) and out.stats.wall_time_s == max(walls)
+
+
+def test_a_batchs_statistics_pool_its_rows_by_their_counts():
+    from early_exit_router.decode.stats import GenerationStats, combined_stats
+
+    a = GenerationStats(new_tokens=10, exit_agreement_by_layer={1: 0.5}, exit_checked_by_layer={1: 4},
+                        draft_acceptance_by_layer={-1: 1.0, 3: 0.5}, drafts_judged_by_layer={-1: 2, 3: 4},
+                        mean_accepted_length=2.0, verify_passes=3, min_rolling_agreement=0.6, deep_passes=9,
+                        wall_time_s=2.0, prefill_s=0.5)  # fmt: skip
+    b = GenerationStats(new_tokens=6, exit_agreement_by_layer={1: 1.0, 3: 0.0}, exit_checked_by_layer={1: 1, 3: 2},
+                        draft_acceptance_by_layer={3: 0.0}, drafts_judged_by_layer={3: 4}, verify_passes=1,
+                        mean_accepted_length=1.0, min_rolling_agreement=0.9, deep_passes=5, wall_time_s=1.0,
+                        prefill_s=0.5)  # fmt: skip
+    both = combined_stats([a, b])
+    assert both.exit_agreement_by_layer == {1: 3 / 5, 3: 0.0} and both.exit_checked_by_layer == {1: 5, 3: 2}
+    assert both.draft_acceptance_by_layer == {-1: 1.0, 3: 2 / 8} and both.drafts_judged_by_layer == {-1: 2, 3: 8}
+    assert both.mean_accepted_length == 7 / 4 and both.verify_passes == 4
+    assert both.min_rolling_agreement == 0.6  # one monitor: the batch's, as the longest row saw it
+    assert both.wall_time_s == 2.0 and both.decode_tokens_per_s == (16 - 2) / 1.5  # side by side
+    in_turn = combined_stats([a, b], one_after_another=True)  # rows decoded alone, one after the other
+    assert in_turn.wall_time_s == 3.0 and in_turn.tokens_per_s == 16 / 3.0
 
 
 @pytest.mark.parametrize("config", [ALWAYS_EXIT, NEVER_EXIT], ids=["always", "never"])
@@ -212,6 +235,32 @@ def test_rows_joining_and_leaving_between_steps_equal_each_row_run_alone(mode):
             expected = hf_batched_greedy(plain, ids, torch.ones_like(ids), budgets[k])[0, ids.shape[1] :].tolist()
         assert outputs[k] == expected, k
     assert batch.fill is None and batch.slots is None  # the last row left: nothing is kept
+
+
+def test_a_rows_statistics_count_the_passes_made_while_it_was_in_the_batch():
+    """A server keeps its batch decoder for request after request: each row's deep passes and plain share are those
+    of the steps it took part in (they summed every request's before, and plain_share passed 1)."""
+    model = tiny_llama(0)
+    plain = dict(NEVER_EXIT, policy="cost", active_exit_layers=[])  # every step plain under the cost policy
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **plain)
+    batch = router.decoder(mode="verify", batch=True, pad_token_id=PAD)
+    prompts = [left_padded([n], seed)[0] for n, seed in [(6, 1), (4, 2), (5, 3)]]
+    join, retire, _ = continuous(batch, prompts, [8, 8, 8], "verify")
+    join(0)
+    for _ in range(3):
+        batch.step()
+    join(1)  # joins a batch that made 3 passes
+    first, second = batch.rows
+    while batch.rows:
+        batch.step()
+        retire()
+    join(2)  # after the batch emptied: a new one
+    while not batch.finished:
+        batch.step()
+    rows = [batch.stats(row) for row in (first, second, batch.rows[0])]
+    assert [s.deep_passes for s in rows] == [7, 7, 7]  # 8 tokens each: the prefill's, then 7 deep passes
+    assert rows[0].policy_cycles == rows[1].policy_cycles == {"plain": 3}  # (the policy plans while one row runs)
+    assert rows[2].policy_cycles == {"plain": 7} and rows[2].plain_share == 7 / 8
 
 
 def test_under_the_cost_policy_a_batch_stops_asking_exits_that_never_fire(monkeypatch):

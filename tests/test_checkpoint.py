@@ -148,6 +148,49 @@ def test_a_mismatched_base_model_is_refused(tmp_path):
         EarlyExitRouter._from_saved(deeper, None, saved, None, "deeper")
 
 
+def test_a_base_whose_head_has_other_weights_of_the_same_size_is_refused(tmp_path):
+    """Chunk means of the LM head (the check before value samples were recorded) let such bases through."""
+    router = trained_looking_router(tiny_llama(0))
+    router.save_pretrained(tmp_path / "router")
+    saved = load_router(tmp_path / "router")
+    assert len(saved.identity.head_sample["lm_head.weight"]) == 512
+    shuffled = tiny_llama(0)
+    with torch.no_grad():  # the same values, rows permuted within blocks: the model predicts other tokens
+        w = shuffled.lm_head.weight
+        w.copy_(w.view(8, 12, -1)[:, torch.randperm(12, generator=torch.Generator().manual_seed(0))].reshape_as(w))
+    for other in (tiny_llama(seed=2), shuffled):
+        with pytest.raises(BaseModelMismatchError, match="LM head and final norm differ"):
+            EarlyExitRouter._from_saved(other, None, saved, None, "other")
+    fp16 = tiny_llama(0, dtype=torch.float16)  # hashed apart from float32 (rounded twice), sampled alike
+    assert EarlyExitRouter._from_saved(fp16, None, saved, None, "fp16").exit_layers == [1, 3]
+
+
+def test_a_router_saved_before_value_samples_is_checked_by_its_chunk_means(tmp_path):
+    router = trained_looking_router(tiny_llama(0))
+    router.save_pretrained(tmp_path / "router")
+    meta = json.loads((tmp_path / "router" / CONFIG_NAME).read_text())
+    del meta["base_model"]["head_sample"]
+    (tmp_path / "router" / CONFIG_NAME).write_text(json.dumps(meta))
+    saved = load_router(tmp_path / "router")
+    assert EarlyExitRouter._from_saved(tiny_llama(0, dtype=torch.float16), None, saved, None, "fp16").exit_layers
+    with pytest.raises(BaseModelMismatchError, match="LM head and final norm differ"):
+        EarlyExitRouter._from_saved(tiny_llama(seed=1), None, saved, None, "other")
+
+
+def test_saving_into_a_folder_of_other_files_is_refused_and_hidden_files_are_let_be(tmp_path):
+    model = tiny_llama(0)
+    model.save_pretrained(tmp_path / "base")
+    router = EarlyExitRouter.from_pretrained(tmp_path / "base", exit_layers=[1, 3], warm_up=False)
+    before = sorted(p.name for p in (tmp_path / "base").iterdir())
+    with pytest.raises(ValueError, match="holds other files .*config.json.*save to an empty or new folder"):
+        router.save_pretrained(tmp_path / "base")  # loading would refuse it, and the base folder too
+    assert sorted(p.name for p in (tmp_path / "base").iterdir()) == before
+    router.save_pretrained(tmp_path / "router")
+    router.save_pretrained(tmp_path / "router")  # a router folder is overwritten
+    (tmp_path / "router" / ".gitattributes").write_text("*.safetensors filter=lfs\n")  # as a hub upload adds
+    assert EarlyExitRouter.from_pretrained(tmp_path / "router", warm_up=False).exit_layers == [1, 3]
+
+
 def test_the_same_base_in_bf16_is_accepted(tmp_path):
     router = trained_looking_router(tiny_llama(0))
     router.save_pretrained(tmp_path / "router")

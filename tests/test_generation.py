@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from early_exit_router import EarlyExitRouter
+from early_exit_router import EarlyExitRouter, RouterConfig
 from early_exit_router.models import _compat
 
 from .conftest import (
@@ -332,8 +332,6 @@ def test_exit_mode_checks_a_sample_of_exited_tokens(fraction):
 
 
 def test_a_config_for_other_exit_layers_is_refused_at_generate():
-    from early_exit_router import RouterConfig
-
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
     router.config = RouterConfig(exit_layers=[2])
     with pytest.raises(ValueError, match="differ from the loaded heads"):
@@ -557,6 +555,41 @@ def test_exits_stop_when_no_threshold_holds_the_target():
     router.config = router.config.replace(target_agreement=None)  # without the target, the heads keep exiting
     free = router.generate(ids, max_new_tokens=60, mode="exit").stats
     assert free.exits_suspended is None and free.hit_rate > 0.5
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_exit_checks_judge_an_exited_token_as_the_full_model_would_have_chosen_it(sampled):
+    """Layers after the exit that add nothing make the exit's head the full model's: every exited token is then the
+    full model's choice, as the caller's processors and sampling choose it (greedy after a repetition penalty; the
+    draw with the position's noise), and exit mode's checks must say so. They compared the raw argmax."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    model = tiny_llama(0)
+    with torch.no_grad():
+        for layer in model.model.layers[2:]:  # the residual stream passes through unchanged, bit for bit
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    router = EarlyExitRouter.from_model(model, exit_layers=[1], adapter="identity", **ALWAYS_EXIT)
+    choice = dict(do_sample=True, temperature=0.7, top_k=20, seed=3) if sampled else {}
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])
+    s = router.generate(prompt(0), max_new_tokens=30, mode="exit", logits_processor=processors, **choice).stats
+    assert s.exit_checked >= 20 and s.exit_agreement == 1.0 and s.output_agreement == 1.0
+
+
+def test_the_strictest_thresholds_stop_exits_whatever_the_rounding_of_the_steps():
+    """0.04 + 0.04 + 0.04 - 0.01 + 0.04 comes to 0.15, a hair under 1 - 0.85: the thresholds then sit at 1 and no
+    token exits, so exits must be reported stopped (they stopped silently)."""
+    from early_exit_router.routing.exit_rule import ExitRule
+
+    config = RouterConfig(high_conf_threshold=0.85, low_conf_threshold=0.85, target_agreement=0.95)
+    rule = ExitRule(config, VOCAB)
+    state = rule.new_state()
+    for agreed in (False, False, False, True, False):  # tighten 3 times, loosen once, tighten
+        state.quality.add_tokens(8, 0)
+        state.quality.add_checks([agreed] * 40)
+        rule.adjust(state)
+    assert state.threshold_shift + config.low_conf_threshold >= 1.0 - 1e-12
+    assert state.exits_suspended and "no threshold held target_agreement 0.95" in state.exits_suspended
 
 
 class SureGate(torch.nn.Module):

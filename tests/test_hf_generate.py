@@ -603,3 +603,20 @@ def test_calls_with_their_own_positions_masks_or_cache_layout_run_plain_hf():
     out, want = model.generate(ids, **asked), plain.generate(ids, **asked)
     assert router.last_stats is not None and torch.equal(out.sequences, want.sequences)
     assert _compat.forward_cache(out) is None and _compat.forward_cache(want) is None
+
+
+@pytest.mark.parametrize("mode, routing", [("exit", NEVER_EXIT), ("verify", MIXED)])
+def test_an_until_eos_max_new_tokens_decodes_to_eos_as_hf_does(mode, routing, monkeypatch):
+    """Callers pass huge max_new_tokens to mean "until EOS": plain HF decodes to EOS, and so must the router (it
+    sized its token slots by max_new_tokens up front, 8 TB at 2**40). Few slots at the start make them grow too."""
+    from early_exit_router.decode import loop
+
+    monkeypatch.setattr(loop, "SLOTS_AHEAD", 3)
+    ids = prompt(3)  # its greedy text reaches new tokens late (many tiny-model texts loop at once)
+    greedy = plain_generate(0, ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1] :].tolist()
+    eos = next(t for k, t in enumerate(greedy) if k >= 12 and t not in greedy[:k])  # first reached after 12 tokens
+    want = plain_generate(0, ids, max_new_tokens=2**40, eos_token_id=eos, do_sample=False)
+    model = tiny_llama(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], mode=mode, **routing)
+    assert torch.equal(model.generate(ids, max_new_tokens=2**40, eos_token_id=eos, do_sample=False), want)
+    assert router.last_stats.new_tokens > 12

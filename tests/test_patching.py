@@ -9,7 +9,7 @@ from transformers import OPTConfig, OPTForCausalLM
 from early_exit_router import EarlyExitRouter, RouterConfig
 from early_exit_router.integrations.hf_generate import RoutedGenerate
 
-from .conftest import MIXED, assert_same_model, model_fingerprint, prompt, tiny_llama
+from .conftest import MIXED, NEVER_EXIT, assert_same_model, model_fingerprint, prompt, tiny_llama
 
 
 def test_from_model_copies_no_weights_and_adds_nothing_to_the_model(model):
@@ -68,9 +68,38 @@ def test_disabled_restores_the_patch_even_after_an_exception(model):
 
 
 def test_a_model_cannot_be_patched_twice(model):
-    EarlyExitRouter.from_model(model, exit_layers=[1])
+    first = EarlyExitRouter.from_model(model, exit_layers=[1])
     with pytest.raises(ValueError, match="already patched"):
         EarlyExitRouter.from_model(model, exit_layers=[2])
+    with first.disabled():  # the model holds no back-reference in there, and a second patch would be overwritten
+        with pytest.raises(ValueError, match="already patched .*disabled"):
+            EarlyExitRouter.from_model(model, exit_layers=[2])
+    assert model._early_exit_router is first
+    first.unpatch()
+    EarlyExitRouter.from_model(model, exit_layers=[2]).unpatch()  # once unpatched, the model is free
+
+
+def test_a_config_mapping_and_default_layers_are_read_as_the_routers_own(model):
+    router = EarlyExitRouter.from_model(model, None, {"exit_layers": [1, 3], "mode": "verify"})
+    assert router.exit_layers == [1, 3] and router.config.mode == "verify"
+    router.unpatch()
+    router = EarlyExitRouter.from_model(model)  # the default layers
+    out = router.generate(prompt(0), max_new_tokens=4, config=RouterConfig(mode="verify", **NEVER_EXIT))
+    assert out.stats.new_tokens == 4  # a config that leaves exit_layers unset means the loaded heads' layers
+
+
+@pytest.mark.parametrize("adapter", ["postnorm", "linear", "residual_block"])
+def test_patching_leaves_the_global_random_stream_as_it_was(model, adapter):
+    """Fresh adapters are zeroed after nn.Linear draws its initial weights: that draw must not come out of the
+    caller's `torch.manual_seed` stream, or a seeded sampled `generate` after patching would change."""
+    torch.manual_seed(0)
+    want = torch.rand(4)
+    torch.manual_seed(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], adapter=adapter)
+    assert torch.equal(torch.rand(4), want)
+    torch.manual_seed(0)
+    router.heads.add_gates(32)  # as loading saved gates does
+    assert torch.equal(torch.rand(4), want)
 
 
 @pytest.mark.parametrize(
@@ -84,6 +113,15 @@ def test_a_model_cannot_be_patched_twice(model):
         (dict(high_conf_threshold=0.2, low_conf_threshold=0.5), ValueError, "above"),
         (dict(mode="turbo"), ValueError, "Unknown mode"),
         (dict(no_such_knob=1), TypeError, "Unknown RouterConfig fields"),
+        # Layer lists are never read as something else: "13" is not [1, 3], nor 1.9 layer 1.
+        (dict(exit_layers="13"), ValueError, "list of layer indices"),
+        (dict(exit_layers=3), ValueError, "list of layer indices"),
+        (dict(exit_layers=[1.9, 3.2]), ValueError, "list of layer indices"),
+        (dict(exit_layers=[True, 3]), ValueError, "list of layer indices"),
+        (dict(exit_layers=[1, 3], active_exit_layers="1"), ValueError, "active_exit_layers must be a list"),
+        (dict(exit_layers=[1, 3], exit_adapters=["block"]), ValueError, "exit_adapters maps exit layers"),
+        (dict(config=7), TypeError, "config must be a RouterConfig or a mapping"),
+        (dict(tokenizer=RouterConfig(exit_layers=[1, 3])), TypeError, "the second argument is the tokenizer"),
     ],
 )
 def test_bad_config_leaves_the_model_untouched(model, kwargs, error, message):
@@ -130,6 +168,7 @@ def test_a_base_model_without_lm_head_is_refused():
         (torch.ones((1, 3), dtype=torch.long), dict(temperature=0.0, do_sample=True), ValueError, "temperature"),
         (torch.ones((1, 3), dtype=torch.long), dict(top_p=1.5), ValueError, "top_p"),
         (torch.ones((1, 3), dtype=torch.long), dict(stop_strings=["x"]), ValueError, "need a tokenizer"),
+        (torch.ones((1, 3), dtype=torch.long), dict(stop_strings=["x", ""]), ValueError, "non-empty strings"),
         ("a text prompt", {}, ValueError, "No tokenizer is attached"),
         (
             torch.ones((1, 3), dtype=torch.long),

@@ -467,6 +467,19 @@ def test_text_pieces_fed_token_by_token_add_up_to_the_decoded_text(smol):
         assert sent + tracker.finish() == tracker.text == text
 
 
+def test_a_character_cut_off_by_max_tokens_never_reaches_the_client(smol):
+    """The last tokens may hold only the first bytes of a character: that half is dropped, not sent as U+FFFD."""
+    tokenizer = smol.tokenizer
+    text = "東京タワー 🗼🎉"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    cuts = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts  # a character spans tokens
+    for k in cuts:
+        tracker = TextTracker(tokenizer, ())
+        sent = tracker.add(ids[:k]) + tracker.finish()
+        assert "\ufffd" not in sent and sent == tracker.text == tokenizer.decode(ids[:k]).rstrip("\ufffd")
+
+
 def test_the_completion_text_reads_as_it_continues_the_prompt():
     """The first token's leading space survives a decoder that strips a text's leading space (the completion is
     decoded after the prompt's last tokens, as vLLM decodes), and a stop string that begins with it matches there."""

@@ -109,7 +109,8 @@ class Slots:
 
     def append(self, tokens: torch.Tensor, real: Sequence[bool] | None = None) -> None:
         """Write (b,) tokens into the next slot; rows with `real[r]` False get a hole there (masked for good)."""
-        self.grow(self.length + 1)
+        if self.length >= self.seq.shape[1]:  # doubling keeps appends amortized O(1) past the first capacity
+            self.grow(max(self.length + 1, 2 * self.seq.shape[1]))
         self.seq[:, self.length] = tokens
         holes = real is not None and not all(real)
         if holes or self.mask is not None:  # a slot cut off by a rollback may have been a hole before
@@ -188,6 +189,7 @@ def join(batch: Any, single: Any) -> None:
     batch.slots.concat(single.slots)
     _compat.concat_cache_rows(batch.fill.cache, single.fill.cache)
     batch.rows.append(single.rows[0])
+    single.rows[0].passes_from = batch.passes.copy()  # its statistics count the batch's passes from here on
 
 
 def _pad_front(decoder: Any, count: int) -> None:
@@ -207,6 +209,8 @@ def remove(decoder: Any, rows: list[Any]) -> None:
     keep = [k for k, row in enumerate(decoder.rows) if row not in rows]
     if len(keep) == len(decoder.rows):
         return
+    for row in rows:  # their statistics end here
+        row.passes_to = row.passes_to or decoder.passes.copy()
     decoder.rows = [decoder.rows[k] for k in keep]
     if not decoder.rows:
         decoder.reset()

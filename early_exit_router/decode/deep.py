@@ -51,10 +51,7 @@ def deep_pass(dec: DecodeState, hidden: torch.Tensor, chunk_start: int, has_curr
         index = torch.tensor(checked + tail, dtype=torch.long, device=hidden.device)
         selected = hidden.index_select(1, index)  # (b, checked + tail rows, hidden)
     logits = head(dec, selected) if selected.shape[1] else None  # (b, rows, vocab)
-    matches = None
-    if checked:
-        slots = torch.tensor([chunk_start + 1 + c for c in checked], device=hidden.device)
-        matches = logits[:, : len(checked)].argmax(dim=-1) == dec.slots.seq.index_select(1, slots)  # (b, checked)
+    matches = _check_exits(dec, logits[:, : len(checked)], chunk_start, checked) if checked else None
     if cycle is not None:
         if matches is not None:
             judge(dec, chunk_start, checked, matches.tolist(), final=True)
@@ -75,6 +72,25 @@ def deep_pass(dec: DecodeState, hidden: torch.Tensor, chunk_start: int, has_curr
         judge(dec, chunk_start, checked, matches.tolist(), final=True)
     for row in dec.rows:
         row.drafts.clear()
+
+
+def _check_exits(dec: DecodeState, logits: torch.Tensor, chunk_start: int, checked: list[int]) -> torch.Tensor:
+    """(b, c) whether each checked exited token (at slot chunk_start + 1 + c) is the full model's choice there, from
+    its predictions `logits` (b, c, vocab): its greedy choice after the row's logits processors, which chose the
+    token too, or, sampling, its draw with the position's noise (the token plain sampling draws there)."""
+    slots = [chunk_start + 1 + c for c in checked]
+    exited = dec.slots.seq[:, slots]  # (b, c)
+    if all(not r.selector.processors and not r.selector.params.do_sample for r in dec.rows):
+        return logits.argmax(dim=-1) == exited
+    choices = []
+    for r, row in enumerate(dec.rows):
+        scores = torch.cat([row.selector.scores(row_ids(dec, r, s), logits[r, j : j + 1]) for j, s in enumerate(slots)])
+        if row.selector.params.do_sample:  # each exited token kept the noise it was drawn with
+            drafts = [row.drafts.get(s - 1) for s in slots]  # None: a finished row's padding, which is not judged
+            noise = [scores.new_ones(scores.shape[-1]) if d is None else d.noise for d in drafts]
+            scores = torch.softmax(scores, dim=-1) / torch.stack(noise)
+        choices.append(scores.argmax(dim=-1))
+    return torch.stack(choices) == exited
 
 
 def _sample_checks(dec: DecodeState, n_drafts: int) -> list[int]:

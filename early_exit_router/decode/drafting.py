@@ -119,7 +119,9 @@ def try_exit(
     for r, row in enumerate(dec.rows):
         if not row.done:
             others = tuple(int(t) for t in ranked if int(t) != ids[r])[:alternatives]
-            row.drafts[q] = Draft(i, key or ("exit", i), others)
+            sampled = not verified and row.selector.params.do_sample  # the noise it was drawn with, for the check
+            noise = row.noise_at(len(row.new_tokens), logits.shape[-1]) if sampled else None
+            row.drafts[q] = Draft(i, key or ("exit", i), others, noise)
     append(dec, tokens, ids, dec.exits[i], logits)
     return True
 

@@ -7,6 +7,8 @@ streamer ends and its text goes to the n-gram store.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from early_exit_router.decode.noise import DONE
@@ -118,3 +120,8 @@ def settle(dec: DecodeState) -> None:
                 row.noise.release(row.noise_row, DONE, len(row.output()))
             row.frontier.end()
             dec.suffix.remember(row.tokens[: row.prompt_len] + row.output())
+    ended = [row for row in dec.rows if row.done and row.ended is None]
+    if ended and not all(row.done for row in dec.rows):  # the others decode on: these rows' wall time stops here
+        now = time.perf_counter()  # (the last ones' stops at `finish`, which flushes what waits)
+        for row in ended:
+            row.ended = now

@@ -67,6 +67,8 @@ from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Pla
 
 BATCH_DESIGNS = ("synchronous", "per_row")
 
+SLOTS_AHEAD = 1024  # new-token slots made at prefill ("until EOS" callers pass huge max_new_tokens); more grow
+
 
 class Decoder(DecodeState):
     """One decode in flight: `prefill` (or `join`) rows, `step` until `finished`, then `finish`; each row's `output()`
@@ -111,13 +113,12 @@ class Decoder(DecodeState):
         self.tracker = AcceptanceTracker(prior=config.acceptance_prior, kind_priors=prior)
         self.probe_schedule = ProbeSchedule(config.probe_interval)
         self.monitor = AgreementMonitor(config.monitor_window, config.monitor_min_agreement)
-        self.passes = PassCounters()
         self.reset()
 
     def reset(self) -> None:
         """Forget every row (the last one left): the next `join` prefills a new batch; acceptance estimates are kept,
-        the exit rule's memory (the controller's shift, a suspension of exits) starts afresh."""
-        self.routing = self.rule.new_state()
+        the exit rule's memory (the controller's shift, a suspension of exits) and the batch's tallies start afresh."""
+        self.routing, self.passes = self.rule.new_state(), PassCounters()
         self.rows: list[Row] = []
         self.slots: Slots | None = None
         self.fill: LayerwiseFill | None = None
@@ -161,7 +162,7 @@ class Decoder(DecodeState):
             _compat.prepare_for_rollback(cache)  # sliding layers keep what a rollback may need
         blocks = {i: BlockContext() for i in self.block_exits}
         self.fill = LayerwiseFill(self.stack, self.heads, self.exits, cache, blocks, self.costs)
-        capacity = n + max(r.max_new_tokens for r in requests) + cfg.max_pending + cfg.ngram_draft + 2
+        capacity = n + min(max(r.max_new_tokens for r in requests), SLOTS_AHEAD) + cfg.max_pending + cfg.ngram_draft + 2
         self.slots = Slots.for_prompts(ids, mask, self.pad_token_id, capacity)
         tiers = len(self.exits) + 1
         noises = noise_sources(selectors, ids.device)
@@ -226,7 +227,7 @@ class Decoder(DecodeState):
 
     def _plain_step(self) -> None:
         """Every layer for the current token, no head or gate at any exit, no draft."""
-        q = self.slots.length - 1
+        q, self.passes.plain_steps = self.slots.length - 1, self.passes.plain_steps + 1
         *_, at = self.fill.walk(embed(self, q), q, q + 1, self.slots, set())
         deep_pass(self, at.hidden, at.chunk_start, has_current=True)
 
@@ -345,7 +346,7 @@ class Decoder(DecodeState):
 
     # ------------------------------------------------------------------------------------------------ results
     def stats(self, row: Row) -> GenerationStats:
-        """The row's statistics (wall time up to now, or up to `finish`)."""
+        """The row's statistics (wall time up to now, or to its end: `finish`, or its last token with others to go)."""
         return decode_stats(self, row)
 
     def finish(self) -> Any:

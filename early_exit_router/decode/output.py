@@ -82,7 +82,8 @@ def run_rows_alone(
         rows.append(out.stats)
         depths.append(list(out.depths))
     noise.finish()
-    return GenerationOutput(padded_sequences(input_ids, outputs, pad), combined_stats(rows), None, None, depths, rows)
+    combined = combined_stats(rows, one_after_another=True)
+    return GenerationOutput(padded_sequences(input_ids, outputs, pad), combined, None, None, depths, rows)
 
 
 def padded_sequences(input_ids: torch.Tensor, outputs: list[Any], pad_token_id: int) -> torch.Tensor:

@@ -42,6 +42,7 @@ class Draft:
     tier: int  # the exit's index, or the n-gram tier's (after the exits)
     key: TierKey  # the acceptance estimate its verdict updates
     alternatives: tuple[int, ...] = ()  # an exit tree's: the exit head's next choices after this draft
+    noise: torch.Tensor | None = None  # a sampled exit's: its position's noise, which exit mode's check draws with
 
 
 @dataclass
@@ -80,6 +81,8 @@ class Row:
     index: ContextIndex | None = None  # the n-gram tier's index of `tokens` (built at the first lookup)
     noise: SamplingNoise | None = None  # sampling: the noise of its positions (`decode/noise.py`) ...
     noise_row: int = 0  # ... its row in it
+    passes_from: PassCounters = field(default_factory=PassCounters)  # the batch's tallies when it joined ...
+    passes_to: PassCounters | None = None  # ... and when it left (None: it is still in it)
 
     def noise_at(self, position: int, vocab: int) -> torch.Tensor:
         """(vocab,) the sampling noise of new token `position`; the draws of its final tokens go."""

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 logger = logging.getLogger("early_exit_router")
@@ -32,10 +32,12 @@ class GenerationStats:
     exit_agreement: float | None = None
     exit_agreement_by_layer: dict[int, float] = field(default_factory=dict)
     exit_checked: int = 0
+    exit_checked_by_layer: dict[int, int] = field(default_factory=dict)
     # Speed (both modes): of the drafted tokens a verify cycle judged, the share the deep pass accepted; per tier too.
     draft_acceptance: float | None = None
     draft_acceptance_by_layer: dict[int, float] = field(default_factory=dict)
     drafts_judged: int = 0
+    drafts_judged_by_layer: dict[int, int] = field(default_factory=dict)
     # Exit mode: the teacher-forced agreement of the whole output, estimated from the checks (exact at check_fraction
     # 1: only final early tokens can disagree), and why exits stopped when no threshold held target_agreement.
     output_agreement: float | None = None
@@ -44,7 +46,8 @@ class GenerationStats:
     mean_fill_chunk: float = 0.0  # mean positions per deep pass (1 = no exited token waited)
     forced_deep: int = 0  # deep passes forced by the window rules
     rejected_drafts: int = 0  # verify mode: exited tokens the deep pass replaced
-    mean_accepted_length: float = 0.0  # verify mode: accepted drafts per verifying deep pass
+    mean_accepted_length: float = 0.0  # verify mode: accepted drafts per verifying deep pass ...
+    verify_passes: int = 0  # ... the deep passes that judged a draft of this sequence
     min_rolling_agreement: float | None = None  # lowest agreement over `monitor_window` consecutive checks
     monitor_warned: bool = False  # the monitor's agreement bound was crossed
     threshold_shift: float = 0.0  # where the threshold controller left both confidence thresholds (0: off)
@@ -54,7 +57,9 @@ class GenerationStats:
     decode_tokens_per_s: float = 0.0  # new tokens after the first / (wall_time_s - prefill_s)
     routing_overhead: float = 0.0  # share of wall time spent in routing decisions (gates, signals, their sync)
     routing_s: float = 0.0
-    plain_share: float = 0.0  # cost policy: share of new tokens decoded plainly (no draft, no head, no gate)
+    # share of new tokens decoded plainly (no draft, no head, no gate) in verify mode's plans and fallback decoding
+    # (exit mode's cascade, which asks exits token by token, counts none)
+    plain_share: float = 0.0
     policy_cycles: dict[str, int] = field(default_factory=dict)  # cost policy: draft cycles per plan kind
     probes: int = 0  # cost policy: plain steps that scored the exits' draft heads (shadow tokens)
     # cost policy: final per-position acceptance estimates (exit mode: "exit rate Lx", the share of tokens asked there
@@ -160,6 +165,22 @@ class PassCounters:
     unpaid_asks: dict[int, int] = field(default_factory=dict)  # ask rule: exit index -> tokens where asking did not pay
     exited_seen: int = 0  # exit mode: exited tokens the deep layers have seen (the check sample's counter)
 
+    def copy(self) -> PassCounters:
+        return replace(self, plan_counts=dict(self.plan_counts), unpaid_asks=dict(self.unpaid_asks))
+
+    def since(self, earlier: PassCounters) -> PassCounters:
+        """What was counted after `earlier` (a `copy()` taken then): a row's share of a batch that outlives it (a
+        server's batch serves request after request)."""
+        later = {f.name: getattr(self, f.name) for f in fields(self)}
+        return PassCounters(**{k: _minus(v, getattr(earlier, k)) for k, v in later.items()})
+
+
+def _minus(later: Any, earlier: Any) -> Any:
+    """later - earlier: numbers, or counts by key (keys whose count did not change dropped)."""
+    if isinstance(later, dict):
+        return {k: v - earlier.get(k, 0) for k, v in later.items() if v != earlier.get(k, 0)}
+    return later - earlier
+
 
 class AgreementMonitor:
     """The rolling agreement of the last `window` judged drafts with the full model; warns once below `bound`."""
@@ -232,14 +253,17 @@ def row_stats(
         exit_agreement=exit_agreement,
         exit_agreement_by_layer=exit_by_layer,
         exit_checked=checked,
+        exit_checked_by_layer={tier_layers[i]: n for i, n in enumerate(c.checked) if n},
         draft_acceptance=draft_acceptance,
         draft_acceptance_by_layer=acceptance_by_layer,
         drafts_judged=judged,
+        drafts_judged_by_layer={tier_layers[i]: n for i, n in enumerate(c.judged) if n},
         deep_passes=passes.deep_passes,
         mean_fill_chunk=passes.fill_positions / passes.deep_passes if passes.deep_passes else 0.0,
         forced_deep=passes.forced,
         rejected_drafts=c.rejected,
         mean_accepted_length=sum(c.accepted) / c.verify_passes if c.verify_passes else 0.0,
+        verify_passes=c.verify_passes,
         min_rolling_agreement=monitor.minimum if checked >= monitor.window else None,
         monitor_warned=monitor.warned,
         threshold_shift=threshold_shift,
@@ -260,9 +284,10 @@ def row_stats(
     )
 
 
-def combined_stats(rows: list[GenerationStats]) -> GenerationStats:
+def combined_stats(rows: list[GenerationStats], one_after_another: bool = False) -> GenerationStats:
     """One batch's statistics from its rows': token counts and histograms summed, rates over all tokens; what the
-    batch shares (its passes, plans and estimates) from the first row."""
+    batch shares (its passes, plans and estimates) from the row that saw most of them. Wall time: the longest row's,
+    or with `one_after_another` (rows decoded alone in turn) their sum."""
     histogram: dict[int, int] = {}
     for row in rows:
         for layer, count in row.exit_histogram.items():
@@ -274,41 +299,64 @@ def combined_stats(rows: list[GenerationStats]) -> GenerationStats:
         hits = sum((getattr(r, rate) or 0.0) * getattr(r, count) for r in rows)
         return (hits / total if total else None), total
 
+    def pooled_by_layer(rates: str, counts: str) -> tuple[dict[int, float], dict[int, int]]:
+        totals: dict[int, int] = {}
+        hits: dict[int, float] = {}
+        for r in rows:
+            for layer, n in getattr(r, counts).items():
+                totals[layer] = totals.get(layer, 0) + n
+                hits[layer] = hits.get(layer, 0.0) + getattr(r, rates)[layer] * n
+        return {k: hits[k] / n for k, n in sorted(totals.items())}, dict(sorted(totals.items()))
+
     exit_agreement, exit_checked = pooled("exit_agreement", "exit_checked")
     acceptance, judged = pooled("draft_acceptance", "drafts_judged")
+    exit_by_layer, checked_by_layer = pooled_by_layer("exit_agreement_by_layer", "exit_checked_by_layer")
+    acceptance_by_layer, judged_by_layer = pooled_by_layer("draft_acceptance_by_layer", "drafts_judged_by_layer")
+    verify_passes = sum(r.verify_passes for r in rows)
+    accepted = sum(r.mean_accepted_length * r.verify_passes for r in rows)
+    gather = sum if one_after_another else max  # rows decoded alone in turn, or side by side
+    decode_s = gather(r.wall_time_s - r.prefill_s for r in rows)
     output_agreement, _ = pooled("output_agreement", "new_tokens")
     output_agreement = output_agreement if any(r.output_agreement is not None for r in rows) else None
-    first = rows[0]
-    wall = max(r.wall_time_s for r in rows)
+    longest = max(rows, key=lambda r: r.deep_passes)  # the batch's shared tallies: the row that was there longest
+    wall = gather(r.wall_time_s for r in rows)
     return GenerationStats(
         new_tokens=new,
         exit_histogram=dict(sorted(histogram.items())),
         hit_rate=sum(r.hit_rate * r.new_tokens for r in rows) / new if new else 0.0,
         exit_agreement=exit_agreement,
+        exit_agreement_by_layer=exit_by_layer,
         exit_checked=exit_checked,
+        exit_checked_by_layer=checked_by_layer,
         draft_acceptance=acceptance,
+        draft_acceptance_by_layer=acceptance_by_layer,
         drafts_judged=judged,
-        deep_passes=first.deep_passes,
-        mean_fill_chunk=first.mean_fill_chunk,
-        forced_deep=first.forced_deep,
+        drafts_judged_by_layer=judged_by_layer,
+        deep_passes=longest.deep_passes,
+        mean_fill_chunk=longest.mean_fill_chunk,
+        forced_deep=longest.forced_deep,
         rejected_drafts=sum(r.rejected_drafts for r in rows),
+        mean_accepted_length=accepted / verify_passes if verify_passes else 0.0,
+        verify_passes=verify_passes,
+        min_rolling_agreement=longest.min_rolling_agreement,  # one monitor watches the batch
         wall_time_s=wall,
-        prefill_s=first.prefill_s,
+        prefill_s=longest.prefill_s,
         tokens_per_s=new / wall if wall > 0 else 0.0,
-        routing_overhead=first.routing_overhead,
-        routing_s=first.routing_s,
+        decode_tokens_per_s=(new - len(rows)) / decode_s if decode_s > 0 and new > len(rows) else 0.0,
+        routing_overhead=longest.routing_overhead,
+        routing_s=longest.routing_s,
         plain_share=sum(r.plain_share * r.new_tokens for r in rows) / new if new else 0.0,
-        policy_cycles=first.policy_cycles,
-        probes=first.probes,
-        policy_estimates=first.policy_estimates,
-        asks_skipped=first.asks_skipped,
-        threshold_shift=first.threshold_shift,
+        policy_cycles=longest.policy_cycles,
+        probes=longest.probes,
+        policy_estimates=longest.policy_estimates,
+        asks_skipped=longest.asks_skipped,
+        threshold_shift=longest.threshold_shift,
         monitor_warned=any(r.monitor_warned for r in rows),
-        fallback=first.fallback,
+        fallback=longest.fallback,
         output_agreement=output_agreement,
         exits_suspended=next((r.exits_suspended for r in rows if r.exits_suspended), None),
-        mode=first.mode,
-        num_layers=first.num_layers,
+        mode=longest.mode,
+        num_layers=longest.num_layers,
     )
 
 
@@ -334,11 +382,10 @@ def decode_stats(dec: Any, row: Any) -> GenerationStats:
         names[kind].format(index if kind in ("ngram", "branch") else dec.exits[index]): round(a, 4)
         for (kind, index), a in sorted(dec.tracker.estimates.items())
     }
+    passes = (row.passes_to or dec.passes).since(row.passes_from)  # the batch's passes while the row was in it
     interval = dec.config.probe_interval
-    skipped = {
-        dec.exits[i]: n - (n // interval if interval > 0 else 0) for i, n in sorted(dec.passes.unpaid_asks.items())
-    }
-    stats = row_stats(record, dec.passes, dec.monitor, mode=dec.mode, num_layers=dec.stack.num_layers,
+    skipped = {dec.exits[i]: n - (n // interval if interval > 0 else 0) for i, n in sorted(passes.unpaid_asks.items())}
+    stats = row_stats(record, passes, dec.monitor, mode=dec.mode, num_layers=dec.stack.num_layers,
                       tier_layers=dec.exits + [-1], threshold_shift=dec.routing.threshold_shift,  # -1: the n-gram tier
                       policy_estimates=estimates, asks_skipped=skipped, fallback=dec.fallback)  # fmt: skip
     stats.exits_suspended = dec.routing.exits_suspended

@@ -87,7 +87,10 @@ def as_token_ids(value: int | Iterable[int] | None) -> list[int]:
 
 def as_stop_strings(value: str | Iterable[str] | None) -> tuple[str, ...]:
     """One stop string or several (HF's `stop_strings` takes either) as the tuple a `DecodeRequest` holds."""
-    return (value,) if isinstance(value, str) else tuple(value or ())
+    strings = (value,) if isinstance(value, str) else tuple(value or ())
+    if not all(isinstance(s, str) and s for s in strings):  # "" is found everywhere: it would end every call at once
+        raise ValueError(f"stop_strings must be non-empty strings, got {value!r}: drop the empty ones.")
+    return strings
 
 
 def as_criteria(value: Any) -> Any:

@@ -1,9 +1,9 @@
 """The saved-router format: `early_exit_config.json` + `early_exit_heads.safetensors`, heads only.
 
 The JSON records the format version, the router config, the exit heads' layout, and the base model's identity:
-its name, depth, widths, a SHA-256 of its LM head and final norm, and a coarse numeric fingerprint of the same
-tensors. Loading onto another base model is refused; the fingerprint lets the same weights in another dtype
-(bf16 vs fp32) through.
+its name, depth, widths, a SHA-256 of its LM head and final norm, and samples of the same tensors' values at fixed
+positions. Loading onto another base model is refused; the samples let the same weights in another dtype (fp16 vs
+fp32) or quantized through, and nothing else: other, permuted or re-scaled weights differ there.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from early_exit_router.models.loading import ALIASES, resolve_alias
 FORMAT_VERSION = 1
 CONFIG_NAME = "early_exit_config.json"
 WEIGHTS_NAME = "early_exit_heads.safetensors"
-FINGERPRINT_CHUNKS = 32
+FINGERPRINT_CHUNKS = 32  # routers saved before the samples below were recorded are checked with these chunk means
+SAMPLE_SIZE = 512  # values of each shared tensor recorded, at SAMPLE_STRIDE-spread positions
+SAMPLE_STRIDE = 2654435761  # a prime near 2**32 / golden ratio: positions spread over rows and columns alike
+SAMPLE_TOLERANCE = 0.25  # the largest relative L2 difference accepted (int4 rounding: 0.09; other weights: 1.3)
 # Files a router folder may hold beside the two above (reports written by train-heads and calibrate, a README).
 KNOWN_EXTRA_FILES = {"calibration_report.json", "training_report.json", "README.md"}
 
@@ -58,6 +61,27 @@ def head_fingerprint(tensors: dict[str, torch.Tensor]) -> list[float]:
     return values
 
 
+def head_sample(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """SAMPLE_SIZE values of each shared tensor (all of a smaller one) at positions fixed by arithmetic alone, so
+    that every release and every torch samples the same ones."""
+    sample = {}
+    for name in sorted(tensors):
+        flat = tensors[name].detach().float().flatten().cpu()
+        index = (torch.arange(min(SAMPLE_SIZE, flat.numel()), dtype=torch.long) * SAMPLE_STRIDE) % flat.numel()
+        sample[name] = [float(f"{v:.5g}") for v in flat[index].tolist()]
+    return sample
+
+
+def samples_differ(mine: dict[str, list[float]], theirs: dict[str, list[float]]) -> list[str]:
+    """The tensors whose samples differ by more than SAMPLE_TOLERANCE (relative L2), or that only one side has."""
+    differ = []
+    for name in sorted(set(mine) | set(theirs)):
+        a, b = torch.tensor(mine.get(name, [])), torch.tensor(theirs.get(name, []))
+        if a.shape != b.shape or (a - b).norm() > SAMPLE_TOLERANCE * max(float(a.norm()), 1e-12):
+            differ.append(name)
+    return differ
+
+
 @dataclass
 class BaseModelIdentity:
     """What a saved router records of the model it was built on."""
@@ -69,6 +93,7 @@ class BaseModelIdentity:
     vocab_size: int
     head_hash: str
     head_fingerprint: list[float]
+    head_sample: dict[str, list[float]] | None = None  # None in routers saved before it was recorded
 
     def check_matches(self, other: BaseModelIdentity) -> None:
         """Raise BaseModelMismatchError, saying what differs, unless `other` is the same base model."""
@@ -81,9 +106,12 @@ class BaseModelIdentity:
                 )
         if self.head_hash == other.head_hash:
             return
-        close = len(self.head_fingerprint) == len(other.head_fingerprint) and torch.allclose(
-            torch.tensor(self.head_fingerprint), torch.tensor(other.head_fingerprint), rtol=2e-2, atol=1e-5
-        )
+        if self.head_sample is not None and other.head_sample is not None:
+            close = not samples_differ(self.head_sample, other.head_sample)
+        else:
+            close = len(self.head_fingerprint) == len(other.head_fingerprint) and torch.allclose(
+                torch.tensor(self.head_fingerprint), torch.tensor(other.head_fingerprint), rtol=2e-2, atol=1e-5
+            )
         if not close:
             raise BaseModelMismatchError(
                 f"These exit heads were trained for {self.name_or_path!r}, whose LM head and final norm differ from "
@@ -101,19 +129,32 @@ def save_router(
     identity: BaseModelIdentity,
     library_version: str,
 ) -> None:
-    """Write the two files of a saved router into `path` (created if needed)."""
+    """Write the two files of a saved router into `path` (created if needed; an existing folder may hold only a
+    saved router, which is replaced)."""
     path = Path(path)
+    if path.is_dir() and (unexpected := unexpected_files(path)):  # e.g. the base model's own folder
+        raise ValueError(
+            f"{path} holds other files ({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''}), "
+            "and loading refuses a router folder with files of its own beside it: save to an empty or new folder."
+        )
     path.mkdir(parents=True, exist_ok=True)
     meta = {
         "format_version": FORMAT_VERSION,
         "library_version": library_version,
-        "base_model": identity.__dict__,
         "heads": {"exit_layers": exit_layers, "gates": has_gates},
         "router_config": config.to_dict(),
+        "base_model": identity.__dict__,  # last: its value samples run to a thousand lines
     }
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads_state.items()}
     save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt", "format_version": str(FORMAT_VERSION)})
     (path / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def unexpected_files(path: Path) -> list[str]:
+    """Names in folder `path` that a saved router does not hold (hidden ones, such as a hub's .gitattributes, are
+    let be: nothing in the folder but the router's own files is ever read)."""
+    known = {CONFIG_NAME, WEIGHTS_NAME, *KNOWN_EXTRA_FILES}
+    return sorted(p.name for p in path.iterdir() if p.name not in known and not p.name.startswith("."))
 
 
 @dataclass
@@ -149,8 +190,7 @@ def load_router(path: str | Path) -> SavedRouter:
     for f in (config_file, weights_file):
         if not f.is_file():
             raise FileNotFoundError(f"{f} is missing: a saved router folder holds {CONFIG_NAME} and {WEIGHTS_NAME}.")
-    unexpected = sorted(p.name for p in path.iterdir() if p.name not in {CONFIG_NAME, WEIGHTS_NAME, *KNOWN_EXTRA_FILES})
-    if unexpected:
+    if unexpected := unexpected_files(path):
         raise ValueError(
             f"{path} holds unexpected files {unexpected}: a saved router folder holds only {CONFIG_NAME}, "
             f"{WEIGHTS_NAME} and the reports {sorted(KNOWN_EXTRA_FILES)}. Move the other files elsewhere "
@@ -273,4 +313,5 @@ def base_identity(stack: LayerStack, name: str) -> BaseModelIdentity:
         vocab_size=stack.vocab_size,
         head_hash=head_hash(tensors),
         head_fingerprint=head_fingerprint(tensors),
+        head_sample=head_sample(tensors),
     )

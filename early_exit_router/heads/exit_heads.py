@@ -130,8 +130,9 @@ class ExitHeads(nn.Module):
     def add_gates(self, hidden_size: int, context: bool = False, head: bool = False) -> None:
         """Give every exit a (zero-initialised) learned gate, with context and head features or not; training fills
         them."""
-        for e in self.exit_layers:
-            self.gates[str(e)] = LearnedGate(hidden_size, context, head)
+        with keep_global_rng():
+            for e in self.exit_layers:
+                self.gates[str(e)] = LearnedGate(hidden_size, context, head)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -141,5 +142,12 @@ def build_heads(stack: Any, config: Any, exit_layers: list[int]) -> ExitHeads:
     """Fresh (untrained) heads at `exit_layers` with the config's adapter kinds, on the model's device and dtype: the
     logit lens until trained or loaded."""
     kinds = {e: config.adapter_for(e) for e in exit_layers}
-    heads = ExitHeads(exit_layers, stack.hidden_size, kinds, config.adapter_rank, block_source(stack))
+    with keep_global_rng():
+        heads = ExitHeads(exit_layers, stack.hidden_size, kinds, config.adapter_rank, block_source(stack))
     return heads.to(device=stack.device, dtype=stack.dtype).eval()
+
+
+def keep_global_rng() -> Any:
+    """New layers draw their initial weights (zeroed or loaded after) from torch's global CPU generator: patching a
+    model must leave the caller's `manual_seed` stream as it was, or its next sampled `generate` would change."""
+    return torch.random.fork_rng(devices=[])

@@ -28,6 +28,7 @@ import _thread
 import functools
 import inspect
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -56,14 +57,19 @@ PLAIN_ONLY_INPUTS = ("inputs_embeds", "position_ids")
 # row by row
 PER_ROW_CRITERIA = (MaxLengthCriteria, MaxTimeCriteria, EosTokenCriteria, StopStringCriteria)
 ROUTER_ATTR = "_early_exit_router"  # back-reference, to refuse patching one model twice
+# model -> (a weak reference to) its router, kept also while the router is inside disabled(), where the model holds
+# no back-reference: a second router patching it then would be overwritten when the block ends
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 GENERATE_ATTR = "generate"  # instance attribute: model.generate() routes through the router
 
 
 def check_patchable(model: nn.Module) -> None:
     """Refuse a model that is patched already or whose `generate` another plugin overrides (nothing is changed)."""
-    if getattr(model, ROUTER_ATTR, None) is not None:
+    owner = _OWNERS.get(model)
+    if getattr(model, ROUTER_ATTR, None) is not None or (owner is not None and owner() is not None):
         raise ValueError(
-            "This model is already patched by an EarlyExitRouter: reuse that router, or call its unpatch() first."
+            "This model is already patched by an EarlyExitRouter (perhaps inside its disabled() block): reuse that "
+            "router, or call its unpatch() first."
         )
     if GENERATE_ATTR in model.__dict__:
         raise ValueError(
@@ -77,16 +83,20 @@ def attach(router: Any) -> None:
     model = router.model
     try:
         model.__dict__[ROUTER_ATTR] = router
+        _OWNERS[model] = weakref.ref(router)
         if hasattr(type(model), "generate"):
             model.__dict__[GENERATE_ATTR] = RoutedGenerate(router)  # shadows the class's generate
     except BaseException:
-        detach(model)
+        detach(model, release=True)
         raise
 
 
-def detach(model: nn.Module) -> None:
-    """Remove everything `attach` added."""
+def detach(model: nn.Module, release: bool = False) -> None:
+    """Remove everything `attach` added; `release`: the router lets the model go for good (unpatch), so that
+    another may patch it."""
     model.__dict__.pop(ROUTER_ATTR, None)
+    if release:
+        _OWNERS.pop(model, None)
     if isinstance(model.__dict__.get(GENERATE_ATTR), RoutedGenerate):
         del model.__dict__[GENERATE_ATTR]
 

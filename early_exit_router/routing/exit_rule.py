@@ -147,7 +147,8 @@ class ExitRule:
         low_bound, high_bound = -cfg.high_conf_threshold, 1.0 - cfg.low_conf_threshold
         step = cfg.controller_step * (TIGHTEN_STEPS if move > 0 else -1)
         state.threshold_shift = min(high_bound, max(low_bound, state.threshold_shift + step))
-        if move > 0 and state.threshold_shift >= high_bound:  # the strictest thresholds: only certainty would exit
+        # the strictest thresholds (to rounding: 0.85 + 0.15 is 1, 1 - 0.85 is a hair above 0.15): only certainty exits
+        if move > 0 and state.threshold_shift >= high_bound - 1e-9:
             estimate, _ = state.quality.disagreement()
             state.exits_suspended = (
                 f"no threshold held target_agreement {cfg.target_agreement:g} (the output's disagreement rate was "

@@ -58,8 +58,10 @@ class TextTracker:
             return
         before = self._decode(self._tokens[self._prefix : self._read])
         text = self._decode(self._tokens[self._prefix :])
-        if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character: wait for its other bytes
-            return
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for its other bytes ...
+            if not final:
+                return
+            text = text.rstrip("\ufffd")  # ... which max_tokens cut off: never send half a character (as vLLM)
         new = text[len(before) :]
         self.kept += new
         if new:  # tokens that add no text (special ones) stay in the next stretch's context, which decides spacing
