@@ -104,8 +104,9 @@ def test_a_batchs_statistics_pool_its_rows_by_their_counts():
     assert both.mean_accepted_length == 7 / 4 and both.verify_passes == 4
     assert both.min_rolling_agreement == 0.6  # one monitor: the batch's, as the longest row saw it
     assert both.wall_time_s == 2.0 and both.decode_tokens_per_s == (16 - 2) / 1.5  # side by side
+    assert both.deep_passes == 9  # side by side: the batch's passes, as the longest row saw them
     in_turn = combined_stats([a, b], one_after_another=True)  # rows decoded alone, one after the other
-    assert in_turn.wall_time_s == 3.0 and in_turn.tokens_per_s == 16 / 3.0
+    assert in_turn.wall_time_s == 3.0 and in_turn.tokens_per_s == 16 / 3.0 and in_turn.deep_passes == 14
 
 
 @pytest.mark.parametrize("config", [ALWAYS_EXIT, NEVER_EXIT], ids=["always", "never"])

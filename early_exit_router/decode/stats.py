@@ -318,8 +318,19 @@ def combined_stats(rows: list[GenerationStats], one_after_another: bool = False)
     decode_s = gather(r.wall_time_s - r.prefill_s for r in rows)
     output_agreement, _ = pooled("output_agreement", "new_tokens")
     output_agreement = output_agreement if any(r.output_agreement is not None for r in rows) else None
-    longest = max(rows, key=lambda r: r.deep_passes)  # the batch's shared tallies: the row that was there longest
-    wall = gather(r.wall_time_s for r in rows)
+    longest = max(rows, key=lambda r: r.deep_passes)  # side by side, the row that was there longest saw them all
+
+    def shared(name: str) -> Any:
+        """A tally of the batch's passes: side by side, the longest row saw it all; in turn, each row made its own."""
+        if not one_after_another:
+            return getattr(longest, name)
+        values = [getattr(r, name) for r in rows]
+        if isinstance(values[0], dict):
+            return {k: sum(v.get(k, 0) for v in values) for k in sorted(set().union(*values))}
+        return sum(values)
+
+    deep_passes, wall = shared("deep_passes"), gather(r.wall_time_s for r in rows)
+    positions = sum(r.mean_fill_chunk * r.deep_passes for r in rows) if one_after_another else None
     return GenerationStats(
         new_tokens=new,
         exit_histogram=dict(sorted(histogram.items())),
@@ -332,9 +343,9 @@ def combined_stats(rows: list[GenerationStats], one_after_another: bool = False)
         draft_acceptance_by_layer=acceptance_by_layer,
         drafts_judged=judged,
         drafts_judged_by_layer=judged_by_layer,
-        deep_passes=longest.deep_passes,
-        mean_fill_chunk=longest.mean_fill_chunk,
-        forced_deep=longest.forced_deep,
+        deep_passes=deep_passes,
+        mean_fill_chunk=longest.mean_fill_chunk if positions is None else positions / max(deep_passes, 1),
+        forced_deep=shared("forced_deep"),
         rejected_drafts=sum(r.rejected_drafts for r in rows),
         mean_accepted_length=accepted / verify_passes if verify_passes else 0.0,
         verify_passes=verify_passes,
@@ -343,11 +354,11 @@ def combined_stats(rows: list[GenerationStats], one_after_another: bool = False)
         prefill_s=longest.prefill_s,
         tokens_per_s=new / wall if wall > 0 else 0.0,
         decode_tokens_per_s=(new - len(rows)) / decode_s if decode_s > 0 and new > len(rows) else 0.0,
-        routing_overhead=longest.routing_overhead,
-        routing_s=longest.routing_s,
+        routing_overhead=shared("routing_s") / wall if wall > 0 else 0.0,
+        routing_s=shared("routing_s"),
         plain_share=sum(r.plain_share * r.new_tokens for r in rows) / new if new else 0.0,
-        policy_cycles=longest.policy_cycles,
-        probes=longest.probes,
+        policy_cycles=shared("policy_cycles"),
+        probes=shared("probes"),
         policy_estimates=longest.policy_estimates,
         asks_skipped=longest.asks_skipped,
         threshold_shift=longest.threshold_shift,
