@@ -440,6 +440,10 @@ def test_every_error_is_openai_shaped(server):
     assert status == 405 and headers["Allow"] == "POST" and "POST" in assert_openai_error(body)["message"]
     status, body, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": [1, 10**30]})  # beyond int64
     assert status == 400 and assert_openai_error(body)["param"] == "prompt"
+    form = {"Content-Type": "application/x-www-form-urlencoded"}  # what `curl -d` sends unless told otherwise
+    status, body, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": "Hi"}, headers=form)
+    message = assert_openai_error(body)["message"]
+    assert status == 400 and "Content-Type: application/json (got application/x-www-form-urlencoded)" in message
 
 
 @real_model

@@ -60,6 +60,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(error.errors()))
+        if "json" not in (kind := request.headers.get("content-type", "")):  # the body was never read as JSON
+            message = f"Send the body as JSON with the header Content-Type: application/json (got {kind or 'none'})."
         return JSONResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(HTTPException)  # Starlette's: unknown paths, wrong methods, unreadable bodies
