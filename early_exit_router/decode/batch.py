@@ -209,8 +209,9 @@ def remove(decoder: Any, rows: list[Any]) -> None:
     keep = [k for k, row in enumerate(decoder.rows) if row not in rows]
     if len(keep) == len(decoder.rows):
         return
-    for row in rows:  # their statistics end here
-        row.passes_to = row.passes_to or decoder.passes.copy()
+    for row in decoder.rows:
+        if row in rows:  # its statistics end here
+            row.passes_to = decoder.passes.copy()
     decoder.rows = [decoder.rows[k] for k in keep]
     if not decoder.rows:
         decoder.reset()

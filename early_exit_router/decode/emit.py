@@ -109,6 +109,7 @@ def stop_slot(dec: DecodeState) -> int | None:
 def settle(dec: DecodeState) -> None:
     """Stream each row's final tokens; a row whose stop is final is done: its streamer ends, and its text goes to
     the n-gram store."""
+    ended = []
     for row in dec.rows:
         if row.done:
             continue
@@ -116,11 +117,11 @@ def settle(dec: DecodeState) -> None:
         row.frontier.advance(row.tokens, min(row.final, upto))
         if row.stop_at is not None and row.final >= upto:
             row.done = True
+            ended.append(row)
             if row.noise is not None:  # its positions no longer hold the other rows' draws
                 row.noise.release(row.noise_row, DONE, len(row.output()))
             row.frontier.end()
             dec.suffix.remember(row.tokens[: row.prompt_len] + row.output())
-    ended = [row for row in dec.rows if row.done and row.ended is None]
     if ended and not all(row.done for row in dec.rows):  # the others decode on: these rows' wall time stops here
         now = time.perf_counter()  # (the last ones' stops at `finish`, which flushes what waits)
         for row in ended:
