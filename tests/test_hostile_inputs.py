@@ -153,3 +153,36 @@ def test_non_finite_hidden_states_raise_instead_of_emitting_garbage(mode):
         handle.remove()
     out = router.generate(prompt(0), max_new_tokens=5, mode=mode)  # the router stays usable
     assert out.sequences.shape[1] == prompt(0).shape[1] + 5
+
+
+def test_the_step_by_step_decoder_checks_its_ids_and_stays_usable():
+    from early_exit_router.decode.sampling import SamplingParams, TokenSelector
+    from early_exit_router.decode.stopping import DecodeRequest
+
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **MIXED)
+    decoder = router.decoder(mode="verify", batch=True)
+    request, selector = DecodeRequest(max_new_tokens=4), TokenSelector(SamplingParams(), router.stack.device)
+    bad = {
+        "outside the vocabulary": torch.tensor([[1, 2, 500]]),
+        "2-D": torch.tensor([1, 2, 3]),
+        "integer token ids": torch.ones(1, 3),
+        "empty": torch.ones(1, 0, dtype=torch.long),
+        "join adds one sequence": torch.ones(2, 3, dtype=torch.long),
+        "LongTensor of shape": [[1, 2, 3]],
+    }
+    for message, ids in bad.items():
+        with pytest.raises((ValueError, TypeError), match=message):
+            decoder.join(ids, request, selector)
+        assert not decoder.rows  # nothing was half-added
+    with pytest.raises(ValueError, match="one request and one selector per row"):
+        decoder.prefill(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), [request], [selector])
+    with pytest.raises(ValueError, match="left padding"):
+        decoder.prefill(torch.ones(1, 3, dtype=torch.long), torch.tensor([[1, 0, 1]]), [request], [selector])
+    row = decoder.join(prompt(0), request, selector)
+    while not decoder.finished:
+        decoder.step()
+    decoder.finish()
+    expected = router.generate(prompt(0), max_new_tokens=4, mode="verify").sequences[0, prompt(0).shape[1] :]
+    assert row.output() == expected.tolist()
+    with pytest.raises(RuntimeError, match="prefill starts a batch"):
+        decoder.prefill(prompt(0), torch.ones_like(prompt(0)), [request], [selector])

@@ -38,6 +38,33 @@ def check_input_ids(
     return input_ids.to(device=device, dtype=torch.long), mask
 
 
+def check_prefill(
+    ids: Any, mask: torch.Tensor, requests: int, selectors: int, rows_held: int, stack: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Decoder.prefill`'s (b, n) ids and mask validated as `check_input_ids` validates a call's, for a decoder that
+    holds no rows, with one request and one selector per row."""
+    if rows_held:
+        raise RuntimeError("This decoder holds rows: prefill starts a batch; add a sequence with join.")
+    ids, mask = check_input_ids(ids, mask, stack.vocab_size, stack.device)
+    if requests != ids.shape[0] or selectors != ids.shape[0]:
+        raise ValueError(
+            f"prefill needs one request and one selector per row: {ids.shape[0]} rows, {requests} requests, "
+            f"{selectors} selectors."
+        )
+    return ids, mask
+
+
+def check_one_sequence(ids: Any) -> None:
+    """Refuse ids of several rows where `Decoder.join` takes one sequence (1, n) (the rest: `check_prefill`)."""
+    if not torch.is_tensor(ids):
+        raise TypeError(f"input_ids must be a LongTensor of shape (1, n), got {type(ids)}.")
+    if ids.dim() == 2 and ids.shape[0] != 1:
+        raise ValueError(
+            f"join adds one sequence, ids of shape (1, n), got {tuple(ids.shape)}: join each row on its own, "
+            "or start a batch with prefill."
+        )
+
+
 def padding_problem(attention_mask: torch.Tensor) -> str | None:
     """What keeps a (b, n) attention mask from being a decode's (None: it pads rows on the left only, each row
     holding at least one token)."""

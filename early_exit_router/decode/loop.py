@@ -42,6 +42,7 @@ from early_exit_router.decode.drafting import (
     worth_asking,
 )
 from early_exit_router.decode.emit import append, choose, embed, settle
+from early_exit_router.decode.inputs import check_one_sequence, check_prefill
 from early_exit_router.decode.noise import noise_sources, settle_generators
 from early_exit_router.decode.sampling import TokenSelector
 from early_exit_router.decode.segments import LayerwiseFill
@@ -153,6 +154,7 @@ class Decoder(DecodeState):
     ) -> None:
         """Start from (b, n) left-padded prompts and their (b, n) attention mask, one request and selector per row."""
         started = time.perf_counter()
+        ids, mask = check_prefill(ids, mask, len(requests), len(selectors), len(self.rows), self.stack)
         b, n = ids.shape
         if b > 1 and self.block_exits:
             raise ValueError("Block adapters keep a context per sequence: consult other exits in batches.")
@@ -184,14 +186,13 @@ class Decoder(DecodeState):
     @torch.inference_mode()
     def join(self, ids: torch.Tensor, request: DecodeRequest, selector: TokenSelector) -> Row:
         """Add one sequence (1, n) between steps: prefilled alone, then left-padded into the batch."""
-        if not self.rows:
-            self.prefill(ids, torch.ones_like(ids), [request], [selector])
-            return self.rows[0]
-        if not self.can_join():
+        check_one_sequence(ids)
+        if self.rows and not self.can_join():
             raise RuntimeError("Rows join only when no drafts are waiting (see can_join).")
-        single = self._new_like()
+        single = self._new_like() if self.rows else self  # a first row starts the batch
         single.prefill(ids, torch.ones_like(ids), [request], [selector])
-        batching.join(self, single)
+        if single is not self:
+            batching.join(self, single)
         return self.rows[-1]
 
     def _new_like(self) -> Decoder:
