@@ -43,7 +43,7 @@ from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.models.discovery import stack_for
 from early_exit_router.models.loading import load_base_model, parse_dtype
-from early_exit_router.routing.costs import CostModel, cost_key, cost_model_for
+from early_exit_router.routing.costs import CostModel, chunk_widths, cost_key, cost_model_for, warm_widths
 from early_exit_router.routing.exit_rule import ExitRule
 from early_exit_router.routing.ngram import SuffixStore
 
@@ -505,17 +505,17 @@ class EarlyExitRouter:
 
     def warm_up(self, new_tokens: int = 8) -> None:
         """Pay now what a fresh router's first call would otherwise pay: the cost table (read from disk, or measured
-        once per machine) and every kernel's first call (one throw-away verify decode of `new_tokens` tokens over a
-        repeating prompt, so drafts are verified too) and packing the block adapters' layers where the model's
-        weights are packed. Nothing else stays: the n-gram store and `last_stats` are as they were."""
+        once per machine), every kernel's first call (a throw-away verify decode of `new_tokens` tokens over a
+        repeating prompt, then every chunk width the config's drafts can run: `costs.warm_widths`) and packing
+        the block adapters' layers. Nothing else stays: the n-gram store and `last_stats` are as they were."""
         with self.lock:  # the decoder the decode builds reads (or measures) the cost table
             for layer in self.heads.block_layers():  # a short decode need not probe them
                 self.stack.packed_module(layer)
-            store, last = self._ngram_store, self.last_stats
-            self._ngram_store = None
+            store, last, self._ngram_store = self._ngram_store, self.last_stats, None
             try:
                 ids = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4]], device=self.stack.device) % self.stack.vocab_size
                 self.generate(ids, new_tokens, mode="verify", do_sample=False)
+                warm_widths(self.stack, chunk_widths(self.config, self.costs))
             finally:
                 self._ngram_store, self.last_stats = store, last
 

@@ -343,6 +343,36 @@ def test_from_pretrained_pays_the_first_calls_costs_at_load_and_keeps_nothing_of
     assert torch.equal(warm.generate(ids, 8, mode="verify").sequences, cold.generate(ids, 8, mode="verify").sequences)
 
 
+def test_warm_up_runs_every_chunk_width_a_draft_can_take_once_and_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    import dataclasses
+
+    from early_exit_router.routing.costs import chunk_widths, warm_widths
+
+    monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path / "cache"))
+    router = tiny_router(policy="cost")
+    cfg = router.config
+    widths = chunk_widths(cfg, router.costs)
+    longest = 1 + max(cfg.max_pending, cfg.ngram_draft, cfg.ngram_tree_nodes)
+    assert set(range(1, longest + 1)) <= set(widths)
+    assert {router.costs().layer_pad(w) for w in range(2, longest + 1)} <= set(widths)  # what the engine pads to
+    assert chunk_widths(dataclasses.replace(cfg, policy="fixed"), None) == list(range(1, longest + 1))
+    seen: dict[int, list[int]] = {}
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, args, kw, j=j: seen.setdefault(j, []).append(args[0].shape[1]),
+                                        with_kwargs=True)
+        for j, layer in enumerate(router.stack.layers)
+    ]  # fmt: skip
+    before = {k: v.clone() for k, v in router.stack.model.state_dict().items()}
+    try:
+        warm_widths(router.stack, widths)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert seen == {0: widths}  # one layer of the (shared) shapes at every width; the later layers reuse its kernels
+    after = router.stack.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_the_bench_command_scores_against_float32_exactly_when_the_precision_is_lowered():
     from types import SimpleNamespace
 

@@ -227,6 +227,36 @@ class CostModel:
         return cls(list(layer_ms), list(head_ms), draft_head_ms, 0.0, num_layers, {"device": "synthetic"})
 
 
+def chunk_widths(config: Any, costs: Callable[[], CostModel]) -> list[int]:
+    """Every chunk width one sequence's decode under `config` can run layers or the LM head at: up to its longest
+    draft, tree or queue of exited tokens plus the deep pass's own token, and, under the cost policy, the widths the
+    table (`costs()`) pads those to."""
+    longest = 1 + max(config.max_pending, config.ngram_draft if config.ngram_tier else 0, config.ngram_tree_nodes)
+    widths = set(range(1, longest + 1))
+    if config.policy == "cost":
+        table = costs()
+        widths |= {pad(w) for w in range(2, longest + 1) for pad in (table.layer_pad, table.head_pad)}
+    return sorted(widths)
+
+
+@torch.inference_mode()
+def warm_widths(stack: Any, widths: list[int]) -> None:
+    """Run one layer of each set of weight shapes, and the LM head, once over a throw-away chunk of every width in
+    `widths`: a library kernel's first product at a shape can cost more than the product (oneDNN builds one per
+    shape: about 3 ms a width of a bf16 pass here, measured), which the first decode to run at that width would
+    otherwise pay. Every later layer of the same shapes runs the kernels built."""
+    firsts: dict[tuple, int] = {}
+    for j, layer in enumerate(stack.layers):
+        shapes = tuple(tuple(m.weight.shape) for m in layer.modules() if isinstance(m, torch.nn.Linear))
+        firsts.setdefault(shapes, j)
+    for width in widths:
+        hidden = torch.zeros(1, width, stack.hidden_size, dtype=stack.dtype, device=stack.device)
+        positions = torch.arange(width, device=stack.device).unsqueeze(0)
+        for j in firsts.values():
+            hidden = stack.run(hidden, j, j + 1, stack.new_cache(), positions)
+        stack.logits(hidden, precise=True)
+
+
 def device_name(device: torch.device) -> str:
     """The device's model as costs depend on it: the GPU's name, or the CPU's model and core count (a virtual
     machine may come back on another host's processor, whose kernels price a pass differently)."""
