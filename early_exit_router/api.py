@@ -82,7 +82,7 @@ class EarlyExitRouter:
         self.stack = stack  # the model's layers, norm and head as the decoder runs them
         self.name_or_path = name_or_path
         self._state = "new"  # -> "patched"; "disabled" inside disabled(); "unpatched" for good
-        self.last_stats: GenerationStats | None = None  # of the last model.generate() call the router served
+        self.last_stats: GenerationStats | None = None  # the last model.generate() call's (None: it ran plain HF)
         self._warned_untrained = False
         # The cost policy's table: measured on first use (cached on disk per model shape and device); assign a
         # CostModel here to decide from another table (e.g. CostModel.synthetic for a what-if).

@@ -184,6 +184,8 @@ def test_modes_the_router_does_not_serve_run_plain_hf_generation(kwargs):
     model = tiny_llama(4)
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
     ids = prompt(4)
+    model.generate(ids, max_new_tokens=4)
+    assert router.last_stats is not None  # a routed call's statistics, which the plain call below must not keep
     torch.manual_seed(11)
     out = model.generate(ids, max_new_tokens=10, **kwargs)
     assert router.last_stats is None  # the router was not involved
@@ -229,6 +231,20 @@ def test_unpatch_and_disabled_restore_plain_generate():
     router.unpatch()
     assert "generate" not in model.__dict__
     assert model.generate.__func__ is type(model).generate
+
+
+def test_the_patched_generate_has_the_signature_of_plain_generate():
+    """inspect.signature(model.generate) was the class function's, `self` first: binding a call's arguments to it
+    put the ids in `self`."""
+    import copy
+    import inspect
+
+    plain, model = tiny_llama(6), tiny_llama(6)
+    EarlyExitRouter.from_model(model, exit_layers=[1, 3], **MIXED)
+    assert inspect.signature(model.generate) == inspect.signature(plain.generate)
+    bound = inspect.signature(model.generate).bind(prompt(6), max_new_tokens=4)
+    assert torch.equal(model.generate(*bound.args, **bound.kwargs), plain.generate(prompt(6), max_new_tokens=4))
+    assert inspect.signature(copy.deepcopy(model).generate) == inspect.signature(plain.generate)
 
 
 def test_a_model_whose_generate_is_overridden_is_refused_untouched():

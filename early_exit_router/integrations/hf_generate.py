@@ -119,6 +119,10 @@ class RoutedGenerate:
         self.router = router
         self._plain = type(router.model).generate  # the class's function, never the instance attribute
         functools.update_wrapper(self, self._plain)
+        # update_wrapper leads inspect.signature to the class's function, `self` first: the bound method's signature
+        # starts after it (callers that bind arguments to it would put the ids in `self`)
+        unbound = inspect.signature(self._plain)
+        self.__signature__ = unbound.replace(parameters=list(unbound.parameters.values())[1:])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.router.model
@@ -128,6 +132,7 @@ class RoutedGenerate:
         extra = named.pop("kwargs", {})
         config = self._routable(named, extra)
         if config is None:
+            self.router.last_stats = None  # this call is not the router's: no statistics of an earlier one stay
             return self._plain(model, **named, **extra)
         streamer = named.pop("streamer", None)  # a callable custom_generate never receives it: we stream
         # generate() drops `tokenizer` on the way to a callable custom_generate, and would then refuse stop strings
