@@ -221,6 +221,36 @@ def test_cli_generate_trace_bench_and_calibrate(tiny_folder, tmp_path, capsys):
     assert main(["calibrate", "--model", str(tiny_folder), "--out", str(calibrated), "--target-agreement", "2"]) == 2
 
 
+def test_cli_refuses_bad_files_outputs_devices_and_ignored_options_with_a_message(tiny_folder, tmp_path, capsys):
+    """Mistakes in files and options: exit status 2 and a line that says what to fix, never a traceback, and before
+    the model loads (an --out that cannot be a folder is not found only when the run's results are written)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text(json.dumps(PROMPTS[0]) + "\nnot json\n")
+    no_prompt = tmp_path / "no-prompt.jsonl"
+    no_prompt.write_text(json.dumps({"id": "a", "category": "c", "kind": "text"}) + "\n")
+    cases = {
+        ("bench-batch", "--prompts", str(no_prompt)): "line 1 lacks the field(s) prompt",
+        ("eval-heads", "--prompts", str(no_prompt)): "line 1 lacks the field(s) prompt",
+        ("bench", "--prompts", str(bad_json)): "line 2 is not JSON",
+        ("bench", "--prompts", str(tmp_path)): "cannot read it",
+        ("bench", "--out", str(a_file)): "is a file, not a folder",
+        ("export-draft", "--exit-layer", "2", "--out", str(a_file / "draft")): "is a file, not a folder",
+        ("eval-heads", "--json", str(tmp_path)): "is a folder",
+        ("generate", "x", "--device", "bogus"): "is not a device name",
+        ("generate", "x", "--temperature", "0.5"): "add --do-sample",  # greedy would ignore it
+    }
+    if not torch.cuda.is_available():
+        cases[("generate", "x", "--device", "cuda")] = "cannot be used on this machine"
+    for args, message in cases.items():
+        assert main([*args, "--model", str(tiny_folder)]) == 2, args
+        assert message in capsys.readouterr().err, args
+    with pytest.raises(SystemExit) as refused:  # a usage error, not uvicorn's traceback once the model has loaded
+        main(["serve", "--port", "70000", "--model", str(tiny_folder)])
+    assert refused.value.code == 2 and "0..65535" in capsys.readouterr().err
+
+
 def test_generate_output_reports_each_tokens_depth():
     router = tiny_router(high_conf_threshold=0.05)
     ids = torch.tensor([[5, 6, 7, 8]])

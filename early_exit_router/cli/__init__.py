@@ -61,6 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return command.run(args)
-    except (ValueError, FileNotFoundError, ImportError) as exc:
+    except (ValueError, OSError, ImportError) as exc:  # OSError: a file that cannot be read or written
         print(f"error: {exc}", file=sys.stderr)
         return 2

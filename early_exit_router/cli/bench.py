@@ -10,9 +10,11 @@ from typing import Any
 from early_exit_router.cli.options import (
     add_load_options,
     add_router_options,
+    check_out_folder,
     float_list,
     int_list,
     load_options,
+    read_prompts,
     router_overrides,
     str_list,
 )
@@ -85,8 +87,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
     from early_exit_router.bench.bench import BenchConfig, run_bench
-    from early_exit_router.training.corpus import DEV_PROMPTS, load_prompts
+    from early_exit_router.training.corpus import DEV_PROMPTS
 
+    # The files first: a mistake in them is reported before the model loads, not after.
+    prompts = read_prompts(args.prompts, DEV_PROMPTS, ("id", "category", "kind", "prompt"))
+    check_out_folder(args.out)
     router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     print(router.describe(), file=sys.stderr)
     cfg = BenchConfig(
@@ -103,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
     for mode in cfg.modes:
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r} in --modes: use {', '.join(MODES)}.")
-    prompts = load_prompts(args.prompts, shipped=DEV_PROMPTS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = _reference_dtype(args, router)

@@ -6,7 +6,15 @@ import argparse
 import json
 from pathlib import Path
 
-from early_exit_router.cli.options import add_load_options, add_router_options, int_list, load_options, router_overrides
+from early_exit_router.cli.options import (
+    add_load_options,
+    add_router_options,
+    check_out_folder,
+    int_list,
+    load_options,
+    read_prompts,
+    router_overrides,
+)
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -33,11 +41,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
     from early_exit_router.bench.batch_bench import BatchBenchConfig, run_batch_bench
-    from early_exit_router.training.corpus import DEV_PROMPTS, load_prompts
+    from early_exit_router.training.corpus import DEV_PROMPTS
 
+    # The files first: a mistake in them is reported before the model loads and the batches run, not after.
+    prompts = read_prompts(args.prompts, DEV_PROMPTS)
+    if args.out:
+        check_out_folder(args.out)
     router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     cfg = BatchBenchConfig(tuple(args.batch_sizes), args.max_new_tokens, args.repeats)
-    result = run_batch_bench(router, load_prompts(args.prompts, shipped=DEV_PROMPTS), cfg)
+    result = run_batch_bench(router, prompts, cfg)
     print(result.markdown())
     if args.out:
         out = Path(args.out)

@@ -10,8 +10,10 @@ from pathlib import Path
 from early_exit_router.cli.options import (
     add_load_options,
     add_router_options,
+    check_out_folder,
     float_list,
     load_options,
+    read_prompts,
     router_overrides,
 )
 from early_exit_router.models.loading import DEFAULT_MODEL
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         calibrate,
         split_prompts,
     )
-    from early_exit_router.training.corpus import CALIBRATION_PROMPTS, load_prompts
+    from early_exit_router.training.corpus import CALIBRATION_PROMPTS
 
     target = QualityTarget(min_agreement=args.target_agreement, max_nll_increase=args.max_nll_increase)
     cfg = CalibrationConfig(
@@ -77,9 +79,12 @@ def run(args: argparse.Namespace) -> int:
         speed_tie_z=args.speed_tie_z,
         max_new_tokens=args.max_new_tokens,
     )
+    # The files first: a mistake in them is reported before the model loads and the sweep runs, not after.
+    prompts = read_prompts(args.prompts, CALIBRATION_PROMPTS, ("id", "category", "kind", "prompt"))
+    check_out_folder(args.out)
     router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     print(router.describe(), file=sys.stderr)
-    calibration, heldout = split_prompts(load_prompts(args.prompts, shipped=CALIBRATION_PROMPTS))
+    calibration, heldout = split_prompts(prompts)
     result = calibrate(router, calibration, heldout, cfg, progress=not args.quiet)
     print(result.table())
     if result.chosen_threshold is None:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from early_exit_router.cli.options import add_router_options, router_overrides
+from early_exit_router.cli.options import add_router_options, check_out_file, read_prompts, router_overrides
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -29,16 +29,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
-    from early_exit_router.training.corpus import DEV_PROMPTS, held_out_texts, load_prompts, self_generated
+    from early_exit_router.training.corpus import DEV_PROMPTS, held_out_texts, self_generated
     from early_exit_router.training.head_report import as_dicts, exit_signals, format_table, quality_table
     from early_exit_router.training.hidden_states import build_cache
 
+    # The files first: a mistake in them is reported before the model loads and the tables are computed.
+    prompts = read_prompts(args.prompts, DEV_PROMPTS)
+    if args.json:
+        check_out_file(args.json)
     router = EarlyExitRouter.from_pretrained(args.model, warm_up=False, **router_overrides(args))
     print(router.describe(), file=sys.stderr)
     tok = router.tokenizer
     if tok is None:
         raise ValueError("eval-heads needs the model's tokenizer.")
-    prompts = load_prompts(args.prompts, shipped=DEV_PROMPTS)
     with router.disabled() as model:
         sources = {"development prompts (model answers)": self_generated(model, tok, prompts, args.answer_tokens)}
     for name, text in held_out_texts().items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from early_exit_router.cli.options import check_out_folder
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
     from early_exit_router.integrations.export import export_draft
 
+    check_out_folder(args.out)  # before the model loads
     router = EarlyExitRouter.from_pretrained(args.model, warm_up=False)
     print(router.describe(), file=sys.stderr)
     result = export_draft(router, args.exit_layer, args.out)

@@ -74,6 +74,15 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
     from early_exit_router.bench.metrics import first_divergence
 
+    if not args.do_sample:
+        # Greedy decoding ignores these (the command passes do_sample=False): refuse them rather than drop them.
+        given = {"--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p}
+        ignored = [flag for flag, value in given.items() if value is not None]
+        if ignored:
+            raise ValueError(
+                f"{', '.join(ignored)} only shape sampling, and generate decodes greedily without --do-sample: "
+                "add --do-sample, or leave them out."
+            )
     router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     print(router.describe(), file=sys.stderr)
     chat = args.chat and router.tokenizer is not None and bool(getattr(router.tokenizer, "chat_template", None))

@@ -6,7 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-from early_exit_router.cli.options import add_load_options, add_router_options, load_options, router_overrides
+from early_exit_router.cli.options import (
+    add_load_options,
+    add_router_options,
+    check_out_folder,
+    load_options,
+    read_prompts,
+    router_overrides,
+)
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -34,12 +41,15 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ImportError(f"loadtest needs the 'serve' extra and openai ({exc.name} is missing).") from None
     from early_exit_router.api import EarlyExitRouter
-    from early_exit_router.training.corpus import DEV_PROMPTS, load_prompts
+    from early_exit_router.training.corpus import DEV_PROMPTS
 
+    # The files first: a mistake in them is reported before the model loads and the clients run, not after.
+    prompts = [p["prompt"] for p in read_prompts(args.prompts, DEV_PROMPTS)]
+    if args.out:
+        check_out_folder(args.out)
     router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     if router.config.policy == "cost":
         router.costs()  # measured (or loaded) before the load, not inside a request
-    prompts = [p["prompt"] for p in load_prompts(args.prompts, shipped=DEV_PROMPTS)]
     result = run_loadtest(router, prompts, LoadtestConfig(args.clients, args.requests_per_client, args.max_tokens))
     print(result.markdown())
     if args.out:

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import functools
 import json
+from pathlib import Path
 from typing import Any
 
 from early_exit_router.config import ADAPTER_KINDS, BATCH_DESIGNS, MODES, POLICIES, RouterConfig
@@ -113,7 +114,61 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
 
 def load_options(args: argparse.Namespace) -> dict[str, Any]:
     """The from_pretrained arguments add_load_options added: dtype, device, quantize, pack_weights."""
+    check_device(args.device)
     return {"dtype": args.dtype, "device": args.device, "quantize": args.quantize, "pack_weights": args.pack_weights}
+
+
+def check_device(device: str | None) -> None:
+    """Refuse a --device that is no device, or one this machine lacks, before any weight loads: torch would
+    otherwise fail deep inside `model.to` (an AssertionError on a build without CUDA)."""
+    if device is None:
+        return
+    import torch
+
+    advice = "pass cpu, or cuda (cuda:N) on a machine with a CUDA GPU and a CUDA build of torch"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a device name: {advice}.") from None
+    try:
+        torch.empty(0, device=parsed)  # initialises the backend, as `model.to` would
+    except (RuntimeError, AssertionError) as exc:
+        reason = (str(exc).strip().splitlines() or ["unavailable"])[0]
+        raise ValueError(f"--device {device!r} cannot be used on this machine ({reason}): {advice}.") from None
+
+
+def read_prompts(path: str | None, shipped: str, fields: tuple[str, ...] = ("prompt",)) -> list[dict[str, Any]]:
+    """The records of a --prompts JSONL file (or the set shipped as `shipped` without one), read before any model loads
+    (`load_prompts`: a bad line is refused with its file and line); a file that cannot be read says what to give."""
+    from early_exit_router.training.corpus import load_prompts
+
+    try:
+        return load_prompts(path, shipped, fields)
+    except OSError as exc:
+        raise ValueError(
+            f"--prompts {path}: cannot read it ({exc.strerror or exc}): give a JSONL file, one JSON object per line."
+        ) from None
+
+
+def check_out_folder(path: str, option: str = "--out") -> None:
+    """Refuse, before any model loads or any work is done, an output folder that cannot be created: an existing
+    file at `path` or where one of its parent folders would be (the results would otherwise be lost at the end)."""
+    for folder in (Path(path), *Path(path).parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(
+                    f"{option} {path}: {folder} is a file, not a folder: give a folder (created if missing)."
+                )
+            return
+
+
+def check_out_file(path: str, option: str = "--json") -> None:
+    """Refuse, before the run, an output file that cannot be written: a folder, or one whose folder is missing."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{option} {path} is a folder: give a file name (written at the end of the run).")
+    if not target.parent.is_dir():
+        raise ValueError(f"{option} {path}: the folder {target.parent} does not exist: create it first.")
 
 
 def router_overrides(args: argparse.Namespace) -> dict[str, Any]:

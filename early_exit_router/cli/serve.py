@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     server.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
     server.add_argument("--served-model-name", default=None, help="The model id clients send (default: --model).")
     server.add_argument("--host", default="127.0.0.1", help="Interface to listen on (default: 127.0.0.1).")
-    server.add_argument("--port", type=int, default=8000, help="Port (default: 8000).")
+    server.add_argument("--port", type=_port, default=8000, help="Port (default: 8000).")
     server.add_argument(
         "--api-key",
         default=os.environ.get("EER_API_KEY"),
@@ -52,6 +52,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_load_options(server)
     add_router_options(server)
+
+
+def _port(text: str) -> int:
+    """A TCP port, refused while the arguments are parsed: uvicorn finds a bad one only after the model has loaded,
+    and fails with a traceback."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in 0..65535 (0: any free port), got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from early_exit_router.cli.options import add_load_options, int_list, load_options
+from early_exit_router.cli.options import add_load_options, check_out_file, int_list, load_options
 from early_exit_router.config import ADAPTER_KINDS
 from early_exit_router.models.loading import DEFAULT_MODEL
 
@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.training.sequences import corpus_sequences
     from early_exit_router.training.survey import format_survey, survey_exits
 
+    if args.json:
+        check_out_file(args.json)  # before the layers' heads are fitted, not after
     router = EarlyExitRouter.from_pretrained(args.model, warm_up=False, **load_options(args))
     stack = router.stack
     layers = args.layers or list(range(stack.num_layers - 1))

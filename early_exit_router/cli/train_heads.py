@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from early_exit_router.cli.options import add_router_options, int_list, router_overrides
+from early_exit_router.cli.options import add_router_options, check_out_folder, int_list, read_prompts, router_overrides
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -101,10 +101,15 @@ def run(args: argparse.Namespace) -> int:
 
     from early_exit_router.api import EarlyExitRouter
     from early_exit_router.training.config import TrainingConfig
+    from early_exit_router.training.corpus import TRAIN_PROMPTS
     from early_exit_router.training.distill import distill_router, warm_start
     from early_exit_router.training.hidden_states import HiddenStateCache, build_cache
     from early_exit_router.training.sequences import corpus_sequences
 
+    # The files first: a mistake in them is reported before the model loads and the heads train, not after.
+    if args.prompts:
+        read_prompts(args.prompts, TRAIN_PROMPTS)  # only checked here: the corpus reads the file itself
+    check_out_folder(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = router_overrides(args)

@@ -46,10 +46,30 @@ GROUNDED_HELDOUT_PROMPTS = "grounded_heldout_prompts.jsonl"
 MEASURED_PROMPT_SETS = (DEV_PROMPTS, CALIBRATION_PROMPTS, HELDOUT_PROMPTS, GROUNDED_PROMPTS, GROUNDED_HELDOUT_PROMPTS)
 
 
-def load_prompts(path: str | Path | None = None, shipped: str = TRAIN_PROMPTS) -> list[dict[str, Any]]:
-    """Prompt records (id, category, kind, prompt) from a JSONL file at `path`, or the set shipped as `shipped`."""
+def load_prompts(
+    path: str | Path | None = None, shipped: str = TRAIN_PROMPTS, fields: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """Prompt records (id, category, kind, prompt) from a JSONL file at `path`, or the set shipped as `shipped`. A
+    line that is no JSON object, lacks one of `fields` or holds a prompt that is not text is refused, with its line."""
     text = Path(path).read_text() if path else (resources.files("early_exit_router.data") / shipped).read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    records, needed = [], ", ".join(fields)
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path or shipped}, line {number}"
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{where} is not JSON ({exc}): write one JSON object per line.") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object with the fields {needed or 'prompt'}, got {record!r}.")
+        missing = [name for name in fields if name not in record]
+        if missing:
+            raise ValueError(f"{where} lacks the field(s) {', '.join(missing)} (needed: {needed}).")
+        if "prompt" in record and not isinstance(record["prompt"], str):
+            raise ValueError(f"{where}: prompt must be a string, got {record['prompt']!r}.")
+        records.append(record)
+    return records
 
 
 def package_descriptions(max_chars: int) -> tuple[list[str], list[str]]:
