@@ -7,10 +7,11 @@ layer's cache equal to a full forward pass after mixed exits (within a few units
 syncs in the decode loop counted with `torch.cuda.set_sync_debug_mode("warn")` against routing decisions and deep
 passes; the patched `model.generate` given ids on the CPU returns them there, as HF does. Then, on SmolLM2, it
 measures the cost model on the GPU (`early-exit-router profile` prints the same table), and times plain HF generate
-against the default config (verify mode under the cost policy), the fixed cascade and exit mode, printing which
-plans the policy chose, and compares the `memory` budget with what a generation at 4096 positions holds (the
-allocator's peak printed beside it). Last, quantized bases (torchao int8, bitsandbytes 8/4-bit where installed):
-verify mode against the same quantized model's greedy. Exit code 0 when every check passes.
+against the default config (verify mode under the cost policy), the fixed cascade and exit mode, each mode also
+with its exits off (the n-gram tier alone), printing which plans the policy chose and what the exits added; and it
+compares the `memory` budget with what a generation at 4096 positions holds (the allocator's peak printed beside
+it). Last, quantized bases (torchao int8, bitsandbytes 8/4-bit where installed): verify mode against the same
+quantized model's greedy. Exit code 0 when every check passes.
 """
 
 from __future__ import annotations
@@ -92,10 +93,13 @@ def contract(label: str, model, ids: torch.Tensor, exit_layers: list[int], mixed
 def timing(router: EarlyExitRouter) -> None:
     print(router.costs(refresh=True).markdown())  # measured on this GPU, in this dtype
     ids = router.encode("List the seven days of the week as a numbered list, one per line.", chat=True)
+    exits_off = {"active_exit_layers": [], "ngram_tier": True}  # the n-gram tier alone: what the exits must beat
     arms_config = {
         "verify, default config (cost policy)": ("verify", {}),
+        "verify, exits off (n-gram tier only)": ("verify", exits_off),
         "verify, fixed cascade, no n-gram": ("verify", {"policy": "fixed", "ngram_tier": False}),
         "exit, loaded config": ("exit", {}),
+        "exit, exits off (n-gram tier only)": ("exit", exits_off),
     }
     for _ in range(2):  # warm-up
         router.generate(ids, max_new_tokens=8)
@@ -122,6 +126,15 @@ def timing(router: EarlyExitRouter) -> None:
         print(
             f"  {name}: {tps:.1f} tok/s ({tps / base:.2f}x plain), hit rate {out.stats.hit_rate:.2f}, "
             f"cycles {out.stats.policy_cycles}"
+        )
+    for routed, alone in (("verify, default config (cost policy)", "verify, exits off (n-gram tier only)"),
+                          ("exit, loaded config", "exit, exits off (n-gram tier only)")):  # fmt: skip
+        (tps, out), (tps_off, _) = arms[routed], arms[alone]
+        exited = sum(n for layer, n in out.stats.exit_histogram.items() if 0 <= layer < router.stack.num_layers - 1)
+        cycles = sum(n for plan, n in out.stats.policy_cycles.items() if plan.startswith("exit"))
+        print(
+            f"  exits added ({routed}): {tps / tps_off - 1:+.1%} tok/s, {1000 / tps_off - 1000 / tps:+.2f} ms saved "
+            f"per token, {exited} of {out.stats.new_tokens} tokens from exit heads, {cycles} exit draft cycles"
         )
     for name, (_, out) in arms.items():
         if name.startswith("verify"):

@@ -79,6 +79,15 @@ def test_bench_runs_every_arm_and_writes_json_and_png(tmp_path, monkeypatch):
     loop = by_arm[("all", ENGINE_CONTROL)]["speedup"]  # every table carries the decode loop alone as its noise band
     assert result.markdown().count("Noise band: the decode loop alone") == 3
     assert f"ran at {loop:.2f}x of plain HF (±{abs(loop - 1):.0%})" in result.markdown()
+    for mode in ("verify", "exit"):  # what the exits added over the n-gram tier alone, from the same run
+        routed = by_arm[("all", f"router {mode} (loaded config)")]
+        alone = by_arm[("all", f"router {mode}, n-gram tier only")]
+        section = result.markdown().split("### all")[1].splitlines()
+        line = next(x for x in section if x.startswith(f"Exits added in {mode} mode"))
+        gain = routed["tokens_per_s"] / alone["tokens_per_s"] - 1
+        assert f"{routed['tokens_per_s']:.1f} against {alone['tokens_per_s']:.1f} tok/s" in line
+        assert f"({gain:+.1%}," in line and "tokens from exit heads" in line
+        assert ("exit draft cycles" in line) == (mode == "verify")
     ceilings = result.meta["copy_ceiling"]  # the control's outputs replayed with perfect copies: never below plain
     assert set(ceilings) == {"templated", "dialogue", "all"} and min(ceilings.values()) >= 1.0
     assert result.markdown().count("Copy ceiling: ") == 3

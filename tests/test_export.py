@@ -278,6 +278,51 @@ def test_the_draft_is_the_bases_assistant_model_in_transformers(tmp_path, adapte
     assert 0 < accepted < len(judged)  # both outcomes were exercised
 
 
+# The keys the engines take today, read from their sources: vLLM's `SpeculativeConfig` dataclass fields
+# (vllm/config/speculative.py; every field is a key of --speculative-config's JSON) and its `SpeculativeMethod`
+# literal; SGLang's speculative flags and --speculative-algorithm's builtins (python/sglang/srt/server_args.py, and
+# the newer arg_groups/fields/spec.py, whose flags are the field names with dashes).
+VLLM_SPECULATIVE_KEYS = {
+    "enforce_eager", "num_speculative_tokens", "model", "method", "draft_tensor_parallel_size", "quantization",
+    "max_model_len", "revision", "code_revision", "disable_padded_drafter_batch", "prompt_lookup_max",
+    "prompt_lookup_min", "draft_load_config", "kv_cache_dtype", "attention_backend", "moe_backend",
+}  # fmt: skip
+VLLM_METHODS = {"ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "eagle", "eagle3", "custom_class"}
+SGLANG_SPECULATIVE_FLAGS = {
+    "--model-path", "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-draft-model",
+    "--speculative-draft-model-revision", "--speculative-draft-load-format", "--speculative-num-steps",
+    "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--speculative-attention-mode",
+    "--speculative-draft-model-quantization", "--mem-fraction-static",
+}  # fmt: skip
+SGLANG_ALGORITHMS = {"EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"}
+
+
+def test_the_serving_commands_use_keys_the_engines_take_and_state_their_memory(tmp_path):
+    router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], adapter="postnorm")
+    info = export_draft(router, 1, tmp_path / "d")
+    for tokens in (1, 4, 7):
+        snippets = info.serving_snippets(draft_tokens=tokens)
+        spec = json.loads(shlex.split(snippets["vllm_serve"])[4])
+        assert set(spec) <= VLLM_SPECULATIVE_KEYS and spec["method"] in VLLM_METHODS
+        assert spec["num_speculative_tokens"] == tokens and Path(spec["model"]) == tmp_path / "d"
+        sglang = shlex.split(snippets["sglang"])
+        flags = dict(zip(sglang[3::2], sglang[4::2]))
+        assert set(flags) <= SGLANG_SPECULATIVE_FLAGS and flags["--speculative-algorithm"] in SGLANG_ALGORITHMS
+        # a chain (topk 1): SGLang's draft tokens are its steps plus the verified one
+        assert int(flags["--speculative-num-draft-tokens"]) == int(flags["--speculative-num-steps"]) + 1 == tokens + 1
+    with pytest.raises(ValueError, match="at least 1"):
+        info.serving_snippets(draft_tokens=0)
+    # 2 of 6 layers: the draft's KV per token is a third of the base's (GQA: 2 heads of 8, keys and values, fp32)
+    assert info.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4
+    assert info.router_bytes > 0 and info.bytes > info.router_bytes
+    memory = info.engine_memory()
+    assert set(memory) == {"vllm", "sglang", "llama.cpp", "router"}
+    assert "6144 MiB" in memory["sglang"] and "--mem-fraction-static" in memory["sglang"]
+    assert "--gpu-memory-utilization" in memory["vllm"]
+    notes = json.loads((tmp_path / "d" / "draft_info.json").read_text())
+    assert notes["memory"] == memory and notes["kv_bytes_per_token"] == info.kv_bytes_per_token
+
+
 def test_the_serving_commands_name_the_draft_and_the_base(tmp_path):
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], adapter="identity")
     info = export_draft(router, 3, tmp_path / "my draft")  # a space, quoted in the shell commands

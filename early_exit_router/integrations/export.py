@@ -32,10 +32,14 @@ from typing import Any
 
 import torch
 
+from early_exit_router.bench.memory import kv_bytes_per_position, tensor_bytes
 from early_exit_router.heads.block import BLOCK_KINDS
 from early_exit_router.models import _compat
 
 FOLDABLE_ADAPTERS = ("identity", "postnorm", "block", "residual_block")
+# SGLang's server_args.py: `if self.speculative_algorithm == "STANDALONE": reserved_mem += 6 * 1024` (MiB; EAGLE
+# drafts add 2 * 1024), applied when --mem-fraction-static is left to SGLang.
+SGLANG_STANDALONE_RESERVE_MIB = 6 * 1024
 
 
 @dataclass
@@ -51,6 +55,23 @@ class DraftExport:
     bytes: int  # parameter memory of the draft in its dtype
     dtype: str
     base: str = "BASE"  # the model the draft serves beside (the folder its layers came from), when known
+    kv_bytes_per_token: int = (
+        0  # the draft's own KV cache per position, which every engine allocates beside the target's
+    )
+    router_bytes: int = 0  # what the one-model router adds instead: exit heads, gates and the trimmed draft head
+
+    def engine_memory(self) -> dict[str, str]:
+        """What each engine sets aside for this draft, beside what the router itself needs (`memory`)."""
+        mib = 2**20
+        own = f"{self.bytes / mib:.0f} MiB of draft weights + {self.kv_bytes_per_token / 1024:.1f} KiB of KV per token"
+        return {
+            "vllm": f"{own}, inside --gpu-memory-utilization: no fixed reserve, the target's KV pool shrinks by them",
+            "sglang": f"{own}; STANDALONE adds {SGLANG_STANDALONE_RESERVE_MIB} MiB to the reserve it keeps outside "
+            "--mem-fraction-static (when that is not set) for the draft's weights, its KV pool (as many tokens as "
+            "the target's) and its CUDA graphs",
+            "llama.cpp": f"{own}, for the draft's own context beside the target's",
+            "router": f"{self.router_bytes / mib:.1f} MiB (exit heads, gates, trimmed draft head), no second KV cache",
+        }
 
     def serving_snippets(self, draft_tokens: int = 4) -> dict[str, str]:
         """How to run the draft beside its base model: vLLM (Python and `vllm serve`), SGLang, transformers.
@@ -77,8 +98,9 @@ class DraftExport:
         }
 
 
-def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
-    """Write exit `exit_layer` of `router` as a standalone HF model folder at `out` (model, tokenizer, notes)."""
+def build_draft(router: Any, exit_layer: int) -> tuple[torch.nn.Module, str, int]:
+    """Exit `exit_layer` of `router` as a model of the base's own class (its adapter folded in), with the adapter
+    kind and the base's depth: what `export_draft` saves as an HF folder and `export_gguf_draft` as a GGUF file."""
     if exit_layer not in router.exit_layers:
         raise ValueError(f"Layer {exit_layer} has no exit head; exit layers are {router.exit_layers}.")
     if router.stack.quantized:
@@ -133,6 +155,12 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
     if missing or unexpected:
         raise RuntimeError(f"Draft checkpoint does not fit its config: missing {missing}, unexpected {unexpected}.")
     draft.generation_config = copy.deepcopy(model.generation_config)
+    return draft.eval(), adapter_kind, base_layers
+
+
+def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
+    """Write exit `exit_layer` of `router` as a standalone HF model folder at `out` (model, tokenizer, notes)."""
+    draft, adapter_kind, base_layers = build_draft(router, exit_layer)
     out = Path(out)
     draft.save_pretrained(out)
     _compat.add_legacy_config_fields(out / "config.json")
@@ -143,15 +171,22 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
     result = DraftExport(
         path=str(out.resolve()),
         exit_layer=exit_layer,
-        num_layers=keep,
+        num_layers=draft.config.num_hidden_layers,
         base_layers=base_layers,
         adapter=adapter_kind,
         parameters=sum(p.numel() for p in params),
         bytes=sum(p.numel() * p.element_size() for p in params),
-        dtype=str(stack.dtype).replace("torch.", ""),
-        base=_base_path(model),
+        dtype=str(router.stack.dtype).replace("torch.", ""),
+        base=_base_path(router.model),
+        kv_bytes_per_token=sum(kv_bytes_per_position(router.stack)[: draft.config.num_hidden_layers]),
+        router_bytes=_router_bytes(router),
     )
-    info = {**asdict(result), "source": router.name_or_path, "serving": result.serving_snippets()}
+    info = {
+        **asdict(result),
+        "source": router.name_or_path,
+        "serving": result.serving_snippets(),
+        "memory": result.engine_memory(),
+    }
     (out / "draft_info.json").write_text(json.dumps(info, indent=2) + "\n")
     return result
 
@@ -160,3 +195,8 @@ def _base_path(model: Any) -> str:
     """Where the base model's weights were loaded from (a local folder or a Hub id), for the serving commands: the
     draft's layers are that checkpoint's, so the engine should serve that one beside it."""
     return str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "BASE")
+
+
+def _router_bytes(router: Any) -> int:
+    draft = router.heads.draft_head(router.stack, router.config.draft_vocab_size)
+    return tensor_bytes(list(router.heads.parameters()) + ([] if draft is None else [draft.weight, draft.bias]))

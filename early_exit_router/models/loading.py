@@ -77,6 +77,15 @@ def alias_gguf_path(alias: str) -> Path:
     return path
 
 
+def source_gguf(name_or_path: str) -> Path | None:
+    """The GGUF file a base named `name_or_path` (as `load_base_model` names it) was loaded from, or None."""
+    alias = resolve_alias(name_or_path)
+    if alias is not None:
+        return alias_gguf_path(alias)
+    path = Path(name_or_path).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """Cache folder for one GGUF file, keyed by its content (size, first and last MiB), so that every
     installation of the same file (another venv, another checkout) shares one conversion."""
