@@ -9,9 +9,12 @@ import asyncio
 import copy
 import http.client
 import json
+import socket
 import threading
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -389,6 +392,107 @@ def test_an_oversized_body_gets_413_before_it_is_read(server, smol):
         assert status == 413 and "2048 bytes" in assert_openai_error(body)["message"]  # counted: no length declared
         response = client(small).completions.create(model=MODEL, prompt="Hi", max_tokens=1)
         assert response.usage.completion_tokens == 1  # bodies under the limit are served
+
+
+def body_pieces(size: int, block: int = 1 << 16) -> Iterator[bytes]:
+    """A completion request of exactly `size` bytes (its prompt padded), in pieces, made as it is sent."""
+    head, tail = b'{"model": "%s", "prompt": "' % MODEL.encode(), b'"}'
+    yield head
+    left, filler = size - len(head) - len(tail), b"x" * block
+    while left > 0:
+        yield filler[: min(block, left)]
+        left -= block
+    yield tail
+
+
+def post_whole(url: str, size: int, chunked: bool = False, timeout: float = 60) -> tuple[int | None, Any, int]:
+    """POST a body of `size` bytes to /v1/completions over a raw socket, sent whole in a thread while the response is
+    read, as a client that sends its body before reading does: (status, JSON body, bytes of the body sent). The
+    status is None when the connection was reset before a response was read."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{framing}\r\n\r\n"
+    sock.sendall(head.encode())
+    sent, stop = [0], threading.Event()
+
+    def send() -> None:
+        try:
+            for piece in body_pieces(size):
+                if stop.is_set():
+                    return
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+                sent[0] += len(piece)
+            if chunked:
+                sock.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the server closed the connection: the test judges what was read
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        status, body = response.status, json.loads(response.read())
+    except (OSError, http.client.HTTPException):
+        status, body = None, None
+    finally:
+        stop.set()
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sender.join(timeout)
+        sock.close()
+    assert not sender.is_alive()
+    return status, body, sent[0]
+
+
+TEN_MB = 10_000_000
+
+
+@real_model
+def test_a_10_mb_body_sent_whole_gets_413_naming_the_limit(server):
+    """A client that sends its whole body before reading (declared length) reads the 413, not a reset connection:
+    the server reads the body on and drops it before answering."""
+    from early_exit_router.integrations.server.app import MAX_REQUEST_BYTES  # the fixture's limit
+    from early_exit_router.integrations.server.guards import drain_limit
+
+    url, _ = server
+    assert MAX_REQUEST_BYTES < TEN_MB <= drain_limit(MAX_REQUEST_BYTES)  # over the limit, within the drain bound
+    status, body, sent = post_whole(url, TEN_MB)
+    assert status == 413 and sent == TEN_MB, (status, sent)
+    error = assert_openai_error(body)
+    assert error["code"] == "request_too_large" and f"({MAX_REQUEST_BYTES} bytes;" in error["message"], error
+
+
+@real_model
+def test_the_openai_client_sending_a_10_mb_chat_gets_the_413(server):
+    from early_exit_router.integrations.server.app import MAX_REQUEST_BYTES
+
+    url, _ = server
+    chat = [{"role": "user", "content": "x" * TEN_MB}]
+    with pytest.raises(openai.APIStatusError) as raised:  # not APIConnectionError (a reset connection)
+        client(url).chat.completions.create(model=MODEL, messages=chat, max_tokens=1)
+    assert raised.value.status_code == 413 and raised.value.code == "request_too_large"
+    assert f"{MAX_REQUEST_BYTES} bytes" in raised.value.message, raised.value.message
+
+
+@real_model
+@pytest.mark.parametrize("chunked", [False, True], ids=["declared", "chunked"])
+def test_a_body_far_past_the_drain_bound_is_cut_off_and_the_server_serves_on(server, chunked):
+    """1 GB sent without pause: the server answers (at once when declared, after the drain bound when chunked) and
+    closes the connection; the client may read the 413 or a reset, and the server goes on serving."""
+    url, _ = server
+    started = time.monotonic()
+    status, body, sent = post_whole(url, 1 << 30, chunked=chunked)
+    assert status in (413, None) and sent < 1 << 28, (status, sent)  # stopped long before the body ended
+    if status == 413:
+        assert assert_openai_error(body)["code"] == "request_too_large"
+    assert time.monotonic() - started < 60
+    assert call(url, "/health")[0] == 200
+    response = client(url).completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert response.usage.completion_tokens == 1
 
 
 @real_model

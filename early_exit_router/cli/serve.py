@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--max-request-bytes",
         type=int,
         default=None,
-        help="Larger request bodies are refused with 413 before they are read (default: 4194304, 4 MiB).",
+        help="Larger request bodies are refused with 413, never parsed (default: 4194304, 4 MiB).",
     )
     server.add_argument("--max-queue", type=int, default=64, help="Requests that may wait (default: 64).")
     server.add_argument(

@@ -56,7 +56,7 @@ class ServerSettings:
     max_queue: int = 64
     max_running: int = 8
     default_max_tokens: int = 256  # chat requests without max_tokens
-    max_request_bytes: int = MAX_REQUEST_BYTES  # larger bodies are refused with 413 before they are read
+    max_request_bytes: int = MAX_REQUEST_BYTES  # larger bodies get 413, never kept or parsed (guards.BodyLimit)
     retry_after_s: int = 1
     routing_overrides: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields for every request
     batching: bool = True  # share one batch per mode among requests that can (see scheduler.py)
