@@ -17,27 +17,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from early_exit_router._version import __version__
-from early_exit_router.config import MODES, RouterConfig
+from early_exit_router.config import RouterConfig
 from early_exit_router.config_checks import split_config
+from early_exit_router.decode import inputs
 from early_exit_router.decode.batch import batch_layout
-from early_exit_router.decode.inputs import check_input_ids, check_length
 from early_exit_router.decode.loop import Decoder
 from early_exit_router.decode.output import GenerationOutput, run_rows_alone, run_to_end
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stats import GenerationStats
-from early_exit_router.decode.stopping import DecodeRequest, as_criteria, as_stop_strings, as_token_ids
+from early_exit_router.decode.stopping import DecodeRequest, as_criteria, as_stop_strings, eos_ids_for, pad_id_for
 from early_exit_router.heads.checkpoint import (
     SavedRouter,
-    base_identity,
     heads_from_saved,
     is_router_dir,
     load_router,
     save_router,
     saved_base,
+    saved_heads,
     saved_router,
 )
-from early_exit_router.heads.exit_heads import UNTRAINED_EXIT_MODE, ExitHeads, build_heads
+from early_exit_router.heads.exit_heads import UNTRAINED_EXIT_MODE, ExitHeads, fresh_heads
 from early_exit_router.integrations import hf_generate
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
@@ -45,7 +44,7 @@ from early_exit_router.models.discovery import stack_for
 from early_exit_router.models.loading import load_base_model, parse_dtype
 from early_exit_router.routing.costs import CostModel, chunk_widths, cost_key, cost_model_for, warm_widths
 from early_exit_router.routing.exit_rule import ExitRule
-from early_exit_router.routing.ngram import SuffixStore
+from early_exit_router.routing.ngram import SuffixStore, store_for
 
 __all__ = ["EarlyExitRouter", "GenerationOutput"]
 
@@ -69,12 +68,7 @@ class EarlyExitRouter:
         stack: LayerStack,
         name_or_path: str,
     ) -> None:
-        # Use from_model / from_pretrained: they validate and patch.
-        if tokenizer is not None and len(tokenizer) > stack.vocab_size:
-            raise ValueError(
-                f"The tokenizer has {len(tokenizer)} tokens but the model's LM head only {stack.vocab_size}: they do "
-                "not belong together. Pass the tokenizer that was saved with this model."
-            )
+        inputs.check_tokenizer(tokenizer, stack.vocab_size)  # use from_model / from_pretrained: they validate and patch
         self._model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -127,9 +121,7 @@ class EarlyExitRouter:
             return cls._from_saved(model, tokenizer, saved, config, name, pack_weights, **overrides)
         config = (config or RouterConfig()).replace(**overrides) if overrides else (config or RouterConfig())
         stack = stack_for(model)
-        exit_layers = config.resolved_exit_layers(stack.num_layers)  # fresh heads: the logit lens, whatever it says
-        config = config.replace(exit_layers=exit_layers, heads_trained=False)
-        fresh = build_heads(stack, config, exit_layers)
+        config, fresh = fresh_heads(stack, config)
         stack.use_packed_weights(pack_weights)
         return cls(model, tokenizer, config, fresh, stack, name)._patched()
 
@@ -182,10 +174,7 @@ class EarlyExitRouter:
         pack_weights: bool = True,
         **overrides: Any,
     ) -> EarlyExitRouter:
-        base_config = config or saved.config
-        saved.check_layout(base_config, overrides)
-        config = base_config.replace(**overrides) if overrides else base_config
-        config = config.replace(heads_trained=saved.config.heads_trained)  # the heads', whatever config routes them
+        config = saved.config_for(config, overrides)  # the saved layout; heads_trained the heads', not the config's
         stack = stack_for(model)
         heads = heads_from_saved(saved, stack, config, name)
         stack.use_packed_weights(pack_weights)
@@ -195,13 +184,7 @@ class EarlyExitRouter:
         """The trained heads saved at `name_or_path` (a `save_pretrained` folder, or an alias with shipped heads),
         built on this router's base model without attaching them: what a warm start trains from. Their base model
         must be this one; no second copy of it is loaded."""
-        saved = saved_router(str(name_or_path))
-        if saved is None:
-            raise ValueError(
-                f"{str(name_or_path)!r} holds no saved exit heads: pass a folder written by save_pretrained "
-                "(or train-heads), or an alias with shipped heads."
-            )
-        return heads_from_saved(saved, self.stack, saved.config, self.name_or_path)
+        return saved_heads(name_or_path, self.stack, self.name_or_path)
 
     # ------------------------------------------------------------------------------------------------ patching
     def _patched(self) -> EarlyExitRouter:
@@ -245,15 +228,9 @@ class EarlyExitRouter:
     # -------------------------------------------------------------------------------------------------- heads
     @property
     def heads(self) -> ExitHeads:
-        """The exit adapters and gates, on the model's current device and in its dtype."""
-        heads, weight = self._heads, self.stack.lm_head.weight
-        first = next(heads.parameters(), None)
-        if first is None:
-            return heads
-        dtype = weight.dtype if weight.dtype.is_floating_point else first.dtype  # an integer-stored quantized head
-        if first.device != weight.device or first.dtype != dtype:
-            heads.to(device=weight.device, dtype=dtype)  # the user moved or cast the model
-        return heads
+        """The exit adapters and gates, on the model's current device and in its dtype (moved when the user moved or
+        cast the model)."""
+        return self._heads.follow(self.stack.lm_head.weight)
 
     @property
     def exit_layers(self) -> list[int]:
@@ -270,25 +247,11 @@ class EarlyExitRouter:
 
     def set_gate(self, layer: int, gate: nn.Module | None) -> None:
         """Install (or remove, with None) a learned gate before exit `layer`: hidden (1, H) -> probability (1,)."""
-        if layer not in self.heads.exit_layers:
-            raise ValueError(f"Layer {layer} has no exit head; exit layers are {self.heads.exit_layers}.")
-        key = str(layer)
-        if gate is None:
-            self.heads.gates.pop(key, None)
-        else:
-            self.heads.gates[key] = gate.to(device=self.stack.device)
+        self.heads.set_gate(layer, gate, self.stack.device)
 
     def describe(self) -> str:
         """One line about the heads: exit layers, adapter and their size (and the prepacked weights, where used)."""
-        trained = "trained" if self.config.heads_trained else "UNTRAINED (logit lens)"
-        adapters = self.heads.kinds_summary() if self.heads.kinds else self.config.adapter
-        packed = self.stack.packed_weights
-        return (
-            f"{self.name_or_path}: {self.stack.num_layers} layers, exits at {self.exit_layers} "
-            f"({adapters} adapters, {trained}); added parameters {self.num_added_parameters():,} "
-            f"({self.added_parameter_share():.2%} of the base model)"
-            + (f"; {len(packed)} weights prepacked ({packed.nbytes / 2**20:.0f} MiB)" if packed else "")
-        )
+        return self.heads.describe(self.name_or_path, self.stack, self.config, self.added_parameter_share())
 
     # ------------------------------------------------------------------------------------------------ decoding
     def decoder(
@@ -307,10 +270,10 @@ class EarlyExitRouter:
         `config.batch_design` and `sampling` call for (`decode.batch.batch_layout`). Hold `router.lock` around each
         of its steps where other threads use this router."""
         cfg = self.call_config(config)
-        mode = self._mode(mode, cfg)
+        mode = inputs.check_mode(mode, cfg)
         design = "synchronous"
         if batch:
-            layout = self._batch_layout(cfg, mode, sampling)
+            layout = batch_layout(cfg, self.heads, mode, sampling, self.stack)
             if layout is None:
                 raise ValueError("These heads batch only row by row (their consulted exits all have blocks).")
             cfg, design = layout
@@ -321,7 +284,7 @@ class EarlyExitRouter:
 
     def batch_config(self, config: RouterConfig | None = None) -> RouterConfig | None:
         """The config a batch runs under (block exits sit out), or None when its rows must run one after another."""
-        layout = self._batch_layout(config := config or self.config, config.mode, False)
+        layout = batch_layout(config := config or self.config, self.heads, config.mode, False, self.stack)
         return None if layout is None else layout[0]
 
     def can_batch(
@@ -329,27 +292,12 @@ class EarlyExitRouter:
     ) -> bool:
         """Whether several rows under `config` share one decoder, rather than running one after another (`cache`:
         one that returns the batch's cache, which a per-row batch does not)."""
-        layout = self._batch_layout(config := config or self.config, mode or config.mode, sampling)
+        layout = batch_layout(config := config or self.config, self.heads, mode or config.mode, sampling, self.stack)
         return layout is not None and (not cache or layout[1] == "synchronous")
-
-    def _batch_layout(self, config: RouterConfig, mode: str, sampling: bool) -> tuple[RouterConfig, str] | None:
-        rows_can_change = _compat.cache_rows_can_change(self.stack.new_cache())
-        return batch_layout(config, self.heads, mode, sampling, rows_can_change)
 
     def encode(self, prompt: str, chat: bool = False) -> torch.LongTensor:
         """Token ids (1, n) for a text prompt; `chat=True` applies the tokenizer's chat template."""
-        if self.tokenizer is None:
-            raise ValueError("No tokenizer is attached: pass input_ids, or build the router with a tokenizer.")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("The tokenizer has no chat template: use chat=False.")
-            encoded = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
-            )
-            ids = encoded if torch.is_tensor(encoded) else encoded["input_ids"]
-        else:
-            ids = self.tokenizer(prompt, return_tensors="pt").input_ids
-        return ids.to(self.stack.device)
+        return inputs.encode_prompt(self.tokenizer, prompt, chat, self.stack.device)
 
     def generate(
         self,
@@ -385,11 +333,11 @@ class EarlyExitRouter:
         if self._state == "unpatched":
             raise RuntimeError("This router was unpatched: build a new one with EarlyExitRouter.from_model(model).")
         cfg = self.call_config(config)
-        mode = self._mode(mode, cfg)
+        mode = inputs.check_mode(mode, cfg)
         if isinstance(input_ids, str):
             input_ids = self.encode(input_ids)
         input_ids, attention_mask = self.check_input_ids(input_ids, attention_mask)
-        check_length(input_ids.shape[1], max_new_tokens, self.context_length)
+        inputs.check_length(input_ids.shape[1], max_new_tokens, self.context_length)
         params = SamplingParams.unset_from(self._model, do_sample, temperature, top_k, top_p, seed)
         stop_strings = as_stop_strings(stop_strings)
         if stop_strings and self.tokenizer is None:
@@ -424,7 +372,7 @@ class EarlyExitRouter:
         cannot share a decoder (`can_batch`) run one after another, with the same output layout; finished rows are
         filled with `pad_token_id` (default: the tokenizer's or the model's pad token, else EOS)."""
         cfg = config or self.config
-        mode = self._mode(mode, cfg)
+        mode = inputs.check_mode(mode, cfg)
         batched = input_ids.shape[0] > 1 or not bool(attention_mask.all())
         pad = self.pad_token_id(request.eos_token_ids) if pad_token_id is None else pad_token_id
         if batched and (request.streamer is not None or request.output_logits):
@@ -440,26 +388,11 @@ class EarlyExitRouter:
     def call_config(self, config: RouterConfig | Mapping[str, Any] | None = None) -> RouterConfig:
         """The routing config of one call: the router's, another `RouterConfig`, or the router's with the fields in
         a mapping changed. Checked against the loaded heads."""
-        cfg, changes = split_config(config, {}, RouterConfig)
-        cfg = (cfg or self.config).replace(**changes)
-        cfg = cfg if cfg.exit_layers is not None else cfg.replace(exit_layers=self.heads.exit_layers)  # the default
-        if cfg.exit_layers != self.heads.exit_layers:
-            raise ValueError(
-                f"config.exit_layers {cfg.exit_layers} differ from the loaded heads' {self.heads.exit_layers}: "
-                "change thresholds with config.replace(...), or build a router with new heads for other layers."
-            )
-        return cfg
-
-    @staticmethod
-    def _mode(mode: str | None, config: RouterConfig) -> str:
-        mode = mode or config.mode
-        if mode not in MODES:
-            raise ValueError(f"Unknown mode {mode!r}: use one of {', '.join(MODES)}.")
-        return mode
+        return inputs.call_config(config, self.config, self.heads.exit_layers)
 
     def check_input_ids(self, input_ids: Any, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Validated (b, n) ids on the model's device, and their (b, n) attention mask (all ones when not given)."""
-        return check_input_ids(input_ids, attention_mask, self.stack.vocab_size, self.stack.device)
+        return inputs.check_input_ids(input_ids, attention_mask, self.stack.vocab_size, self.stack.device)
 
     @property
     def context_length(self) -> int | None:
@@ -469,25 +402,13 @@ class EarlyExitRouter:
     def eos_token_ids(self, eos_token_id: int | list[int] | None = None) -> list[int]:
         """The EOS ids a call stops at: `eos_token_id`, else the model's generation config's, else the
         tokenizer's."""
-        if eos_token_id is None:
-            gen_config = getattr(self._model, "generation_config", None)
-            eos_token_id = getattr(gen_config, "eos_token_id", None)
-            if eos_token_id is None and self.tokenizer is not None:
-                eos_token_id = self.tokenizer.eos_token_id
-        return as_token_ids(eos_token_id)
+        return eos_ids_for(self._model, self.tokenizer, eos_token_id)
 
     def pad_token_id(self, eos_token_ids: Iterable[int] | None = None) -> int:
         """What finished rows of a batch are filled with: the tokenizer's or the model's pad token, else the
         smallest EOS id (default: this router's), else 0. (`model.generate` on a patched model fills them as HF
         does: the generation config's pad id, else its first EOS id.)"""
-        for candidate in (
-            getattr(self.tokenizer, "pad_token_id", None),
-            getattr(self._model.generation_config, "pad_token_id", None),
-        ):
-            if ids := as_token_ids(candidate):  # an int, or a tensor or numpy value as HF takes it
-                return ids[0]
-        eos = self.eos_token_ids() if eos_token_ids is None else eos_token_ids
-        return min(eos, default=0)
+        return pad_id_for(self._model, self.tokenizer, eos_token_ids)
 
     def costs(self, refresh: bool = False, config: RouterConfig | None = None) -> CostModel:
         """The cost model the policy decides from: `cost_model` when assigned, else measured on this device for
@@ -528,23 +449,12 @@ class EarlyExitRouter:
         """This router's store of earlier sequences for the n-gram tier, as `config` (default: the router's) sizes it;
         None where that config keeps no store (`ngram_store_tokens` 0, or the tier off): such a call neither reads
         nor adds to it. A config that sizes it differently starts a new one."""
-        if not (cfg := config or self.config).ngram_tier or cfg.ngram_store_tokens <= 0:
-            return None
-        store = self._ngram_store
-        shape = (cfg.ngram_store_tokens, cfg.ngram_size, cfg.ngram_min_size)
-        if store is None or (store.max_tokens, store.max_ngram, store.min_ngram) != shape:
-            store = self._ngram_store = SuffixStore(*shape)
+        store = store_for(self._ngram_store, config or self.config)
+        if store is not None:  # a config that keeps none leaves the router's as it is
+            self._ngram_store = store
         return store
 
     # ----------------------------------------------------------------------------------------------- save/load
     def save_pretrained(self, path: str | Path) -> None:
         """Write `early_exit_config.json` and `early_exit_heads.safetensors` (heads only, never base weights)."""
-        save_router(
-            path,
-            self.config,
-            self.heads.state_dict(),
-            self.exit_layers,
-            has_gates=len(self.heads.gates) > 0,
-            identity=base_identity(self.stack, self.name_or_path),
-            library_version=__version__,
-        )
+        save_router(path, self.config, self.heads, self.stack, self.name_or_path)

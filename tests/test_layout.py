@@ -10,9 +10,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "early_exit_router"
 # Lowest first: a module may import from its own layer and the ones before it.
 LAYERS = ["_version", "config_checks", "config", "data", "models", "heads", "routing", "decode", "integrations",
           "api", "bench", "training", "cli", "__init__"]  # fmt: skip
-MAX_MODULE_LINES = 500
+MAX_MODULE_LINES = 500  # every module, the public facade's included
 MAX_CLASS_LINES = 300
-# The public facade, larger on purpose (every method is public API with its contract): see docs/development.md.
+# The public facade's class, larger on purpose (every method is public API with its contract): see docs/development.md.
 LARGER = {"api.py": "EarlyExitRouter"}
 
 
@@ -75,13 +75,20 @@ def test_no_import_circle():
             visit(module, [module])
 
 
-def test_modules_and_classes_stay_readable():
+def test_no_module_is_over_500_lines():
+    too_long = [
+        f"{path.relative_to(PACKAGE)}: {lines} lines"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not too_long, too_long
+
+
+def test_classes_stay_readable():
     too_long = []
     for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()
         larger = LARGER.get(str(path.relative_to(PACKAGE)))
-        if len(text.splitlines()) > MAX_MODULE_LINES * (1.1 if larger else 1):
-            too_long.append(f"{path.relative_to(PACKAGE)}: {len(text.splitlines())} lines")
         for node in ast.walk(ast.parse(text)):
             size = node.end_lineno - node.lineno + 1 if isinstance(node, ast.ClassDef) else 0
             if size > MAX_CLASS_LINES and larger != node.name:

@@ -29,7 +29,7 @@ from early_exit_router.models import _compat
 
 
 def batch_layout(
-    config: RouterConfig, heads: ExitHeads, mode: str, sampling: bool, rows_can_change: bool
+    config: RouterConfig, heads: ExitHeads, mode: str, sampling: bool, stack: Any
 ) -> tuple[RouterConfig, str] | None:
     """The config and design (`"synchronous"` or `"per_row"`) several rows decode under together, or None when they
     must run one after another.
@@ -38,8 +38,8 @@ def batch_layout(
     exits (verify mode stays exact whichever exits draft), and only when every consulted exit has a block do the rows
     run alone. Verify mode runs per row under `batch_design="per_row"`, and always when sampling (one accepted prefix
     for a batch cannot keep each row's distribution); where the cache's rows cannot hold holes (a sliding window
-    keeps the last slots, holes included), greedy batches fall back to the synchronous design and sampled ones run
-    alone."""
+    keeps the last slots, holes included: asked of `stack`'s cache), greedy batches fall back to the synchronous
+    design and sampled ones run alone."""
     consulted = config.consulted_exit_layers()
     plain = [e for e in consulted if not needs_context(heads.adapter(e))]
     if not plain and consulted:
@@ -47,7 +47,7 @@ def batch_layout(
     if len(plain) < len(consulted):
         config = config.replace(active_exit_layers=plain)
     per_row = mode == "verify" and (sampling or config.batch_design == "per_row")
-    if per_row and not rows_can_change:
+    if per_row and not _compat.cache_rows_can_change(stack.new_cache()):
         return None if sampling else (config, "synchronous")
     return config, "per_row" if per_row else "synchronous"
 

@@ -1,10 +1,64 @@
-"""Checking what a caller hands a decode: token ids, their attention mask, and the room left in the context."""
+"""Checking what a caller hands a decode: token ids (or a text prompt to encode), their attention mask, the room
+left in the context, the call's mode and routing config, and a tokenizer that fits the model."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from early_exit_router.config import MODES, RouterConfig
+from early_exit_router.config_checks import split_config
+
+
+def check_mode(mode: str | None, config: RouterConfig) -> str:
+    """A call's mode: `mode`, else the config's; one of `MODES`."""
+    mode = mode or config.mode
+    if mode not in MODES:
+        raise ValueError(f"Unknown mode {mode!r}: use one of {', '.join(MODES)}.")
+    return mode
+
+
+def call_config(
+    config: RouterConfig | Mapping[str, Any] | None, base: RouterConfig, exit_layers: list[int]
+) -> RouterConfig:
+    """The routing config of one call: `base`, another `RouterConfig`, or `base` with the fields in a mapping
+    changed; its exit layers must be the loaded heads' `exit_layers` (unset: those)."""
+    cfg, changes = split_config(config, {}, RouterConfig)
+    cfg = (cfg or base).replace(**changes)
+    cfg = cfg if cfg.exit_layers is not None else cfg.replace(exit_layers=exit_layers)  # the default
+    if cfg.exit_layers != exit_layers:
+        raise ValueError(
+            f"config.exit_layers {cfg.exit_layers} differ from the loaded heads' {exit_layers}: "
+            "change thresholds with config.replace(...), or build a router with new heads for other layers."
+        )
+    return cfg
+
+
+def check_tokenizer(tokenizer: Any, vocab_size: int) -> None:
+    """Refuse a tokenizer with more tokens than the model's LM head scores (it belongs to another model)."""
+    if tokenizer is not None and len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"The tokenizer has {len(tokenizer)} tokens but the model's LM head only {vocab_size}: they do "
+            "not belong together. Pass the tokenizer that was saved with this model."
+        )
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool, device: torch.device) -> torch.LongTensor:
+    """Token ids (1, n) on `device` for a text prompt; `chat=True` applies the tokenizer's chat template."""
+    if tokenizer is None:
+        raise ValueError("No tokenizer is attached: pass input_ids, or build the router with a tokenizer.")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("The tokenizer has no chat template: use chat=False.")
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+        )
+        ids = encoded if torch.is_tensor(encoded) else encoded["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    return ids.to(device)
 
 
 def check_input_ids(

@@ -85,6 +85,24 @@ def as_token_ids(value: int | Iterable[int] | None) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(e) for e in value]
 
 
+def eos_ids_for(model: Any, tokenizer: Any, eos_token_id: int | Iterable[int] | None = None) -> list[int]:
+    """The EOS ids a call stops at: `eos_token_id`, else `model`'s generation config's, else the tokenizer's."""
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if eos_token_id is None and tokenizer is not None:
+            eos_token_id = tokenizer.eos_token_id
+    return as_token_ids(eos_token_id)
+
+
+def pad_id_for(model: Any, tokenizer: Any, eos_ids: Iterable[int] | None = None) -> int:
+    """What finished rows of a batch are filled with: the tokenizer's or the model's pad token, else the smallest of
+    `eos_ids` (default: `eos_ids_for(model, tokenizer)`), else 0."""
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(model.generation_config, "pad_token_id", None)):
+        if ids := as_token_ids(candidate):  # an int, or a tensor or numpy value as HF takes it
+            return ids[0]
+    return min(eos_ids_for(model, tokenizer) if eos_ids is None else eos_ids, default=0)
+
+
 def as_stop_strings(value: str | Iterable[str] | None) -> tuple[str, ...]:
     """One stop string or several (HF's `stop_strings` takes either) as the tuple a `DecodeRequest` holds."""
     strings = (value,) if isinstance(value, str) else tuple(value or ())

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from early_exit_router._version import __version__
 from early_exit_router.config import RouterConfig
 from early_exit_router.heads.exit_heads import DRAFT_RANKING, ExitHeads, build_heads
 from early_exit_router.models.architecture import LayerStack
@@ -120,17 +121,10 @@ class BaseModelIdentity:
             )
 
 
-def save_router(
-    path: str | Path,
-    config: RouterConfig,
-    heads_state: dict[str, torch.Tensor],
-    exit_layers: list[int],
-    has_gates: bool,
-    identity: BaseModelIdentity,
-    library_version: str,
-) -> None:
+def save_router(path: str | Path, config: RouterConfig, heads: ExitHeads, stack: LayerStack, name: str) -> None:
     """Write the two files of a saved router into `path` (created if needed; an existing folder may hold only a
-    saved router, which is replaced)."""
+    saved router, which is replaced): `heads` (never base weights), `config`, and the identity of `stack`'s base
+    model, recorded as `name`."""
     path = Path(path)
     if path.is_dir() and (unexpected := unexpected_files(path)):  # e.g. the base model's own folder
         raise ValueError(
@@ -140,12 +134,12 @@ def save_router(
     path.mkdir(parents=True, exist_ok=True)
     meta = {
         "format_version": FORMAT_VERSION,
-        "library_version": library_version,
-        "heads": {"exit_layers": exit_layers, "gates": has_gates},
+        "library_version": __version__,
+        "heads": {"exit_layers": list(heads.exit_layers), "gates": len(heads.gates) > 0},
         "router_config": config.to_dict(),
-        "base_model": identity.__dict__,  # last: its value samples run to a thousand lines
+        "base_model": base_identity(stack, name).__dict__,  # last: its value samples run to a thousand lines
     }
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads_state.items()}
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
     save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt", "format_version": str(FORMAT_VERSION)})
     (path / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -176,6 +170,14 @@ class SavedRouter:
                     "routing settings only, pass them as keywords (from_pretrained(path, mode='exit')), which keep "
                     "the heads' layout; for another layout, train new heads."
                 )
+
+    def config_for(self, config: RouterConfig | None, overrides: dict[str, Any]) -> RouterConfig:
+        """The config these heads route under: `config` (default: their own) with `overrides`, its head layout
+        theirs (`check_layout`), and `heads_trained` as they were saved, whatever config routes them."""
+        base = config or self.config
+        self.check_layout(base, overrides)
+        routed = base.replace(**overrides) if overrides else base
+        return routed.replace(heads_trained=self.config.heads_trained)
 
 
 def load_router(path: str | Path) -> SavedRouter:
@@ -300,6 +302,18 @@ def heads_from_saved(saved: SavedRouter, stack: LayerStack, config: RouterConfig
         raise ValueError(f"Saved heads do not fit their config: missing {missing}, unexpected {unexpected}.")
     heads.to(device=stack.device, dtype=stack.dtype).eval()
     return heads
+
+
+def saved_heads(name_or_path: str | Path, stack: LayerStack, name: str) -> ExitHeads:
+    """The trained heads saved at `name_or_path` (a `save_pretrained` folder, or an alias with shipped heads) under
+    their own config, built on `stack`'s base model (recorded as `name`), which must be theirs."""
+    saved = saved_router(str(name_or_path))
+    if saved is None:
+        raise ValueError(
+            f"{str(name_or_path)!r} holds no saved exit heads: pass a folder written by save_pretrained "
+            "(or train-heads), or an alias with shipped heads."
+        )
+    return heads_from_saved(saved, stack, saved.config, name)
 
 
 def base_identity(stack: LayerStack, name: str) -> BaseModelIdentity:

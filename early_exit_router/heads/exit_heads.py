@@ -95,6 +95,26 @@ class ExitHeads(nn.Module):
         key = str(layer)
         return self.gates[key] if key in self.gates else None
 
+    def set_gate(self, layer: int, gate: nn.Module | None, device: torch.device) -> None:
+        """Install (or remove, with None) the gate before exit `layer`, moved to `device`."""
+        if layer not in self.exit_layers:
+            raise ValueError(f"Layer {layer} has no exit head; exit layers are {self.exit_layers}.")
+        if gate is None:
+            self.gates.pop(str(layer), None)
+        else:
+            self.gates[str(layer)] = gate.to(device=device)
+
+    def follow(self, weight: torch.Tensor) -> ExitHeads:
+        """These heads on the device and in the dtype of the LM head's `weight` (moved when the model was; an
+        integer-stored quantized head leaves the dtype as it is)."""
+        first = next(self.parameters(), None)
+        if first is None:
+            return self
+        dtype = weight.dtype if weight.dtype.is_floating_point else first.dtype
+        if first.device != weight.device or first.dtype != dtype:
+            self.to(device=weight.device, dtype=dtype)
+        return self
+
     def draft_head(self, stack: Any, size: int) -> DraftHead | None:
         """The trimmed draft head over `size` token ids (None when `size` covers the vocabulary).
 
@@ -137,6 +157,18 @@ class ExitHeads(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def describe(self, name: str, stack: Any, config: Any, share: float) -> str:
+        """One line about these heads on `stack`'s model (`name`) under `config`: exit layers, adapters, whether
+        trained, their size (`share` of the base model's parameters), and the stack's prepacked weights, where used."""
+        trained = "trained" if config.heads_trained else "UNTRAINED (logit lens)"
+        adapters = self.kinds_summary() if self.kinds else config.adapter
+        packed = stack.packed_weights
+        return (
+            f"{name}: {stack.num_layers} layers, exits at {self.exit_layers} ({adapters} adapters, {trained}); "
+            f"added parameters {self.num_parameters():,} ({share:.2%} of the base model)"
+            + (f"; {len(packed)} weights prepacked ({packed.nbytes / 2**20:.0f} MiB)" if packed else "")
+        )
+
 
 def build_heads(stack: Any, config: Any, exit_layers: list[int]) -> ExitHeads:
     """Fresh (untrained) heads at `exit_layers` with the config's adapter kinds, on the model's device and dtype: the
@@ -145,6 +177,14 @@ def build_heads(stack: Any, config: Any, exit_layers: list[int]) -> ExitHeads:
     with keep_global_rng():
         heads = ExitHeads(exit_layers, stack.hidden_size, kinds, config.adapter_rank, block_source(stack))
     return heads.to(device=stack.device, dtype=stack.dtype).eval()
+
+
+def fresh_heads(stack: Any, config: Any) -> tuple[Any, ExitHeads]:
+    """`config` with the exit layers it resolves to on `stack` and `heads_trained` False, and fresh heads there: the
+    logit lens, whatever `config` said of the heads it came with."""
+    exit_layers = config.resolved_exit_layers(stack.num_layers)
+    config = config.replace(exit_layers=exit_layers, heads_trained=False)
+    return config, build_heads(stack, config, exit_layers)
 
 
 def keep_global_rng() -> Any:

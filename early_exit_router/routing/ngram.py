@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from early_exit_router.routing.token_tree import TokenTree, build_tree
+
+if TYPE_CHECKING:
+    from early_exit_router.config import RouterConfig
 
 RUN_LIMIT = 32  # a proposal's run is counted back at most this far
 RUN_CLASSES = (8, 16, 32)  # runs from each of these lengths up share one acceptance estimate
@@ -250,3 +253,14 @@ class SuffixStore:
                     source = self._sequences[seq_id]
                     found.append(Proposal(source[end : end + max_draft], n, agreement(tokens, source, end, n)))
         return found
+
+
+def store_for(store: SuffixStore | None, config: RouterConfig) -> SuffixStore | None:
+    """The store of earlier sequences `config` keeps: `store` where it is sized as `config` sizes one, else a new
+    one; None where `config` keeps none (`ngram_store_tokens` 0, or the tier off)."""
+    if not config.ngram_tier or config.ngram_store_tokens <= 0:
+        return None
+    shape = (config.ngram_store_tokens, config.ngram_size, config.ngram_min_size)
+    if store is None or (store.max_tokens, store.max_ngram, store.min_ngram) != shape:
+        store = SuffixStore(*shape)
+    return store
