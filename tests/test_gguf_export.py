@@ -186,7 +186,21 @@ def test_cli_refuses_gguf_options_before_loading(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def llama_cpp():
-    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+    """llama-cpp-python, with llama.cpp's weight repacking off (its `--no-repack`): on some virtual machines with
+    AMX the repacked kernels stop with an illegal instruction, and repacking changes no result."""
+    module = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed: ./quickstart.sh test-llama-cpp"
+    )
+    defaults = module.llama_model_default_params
+
+    def no_repack():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module.llama.llama_cpp, "llama_model_default_params", no_repack)
+        yield module
 
 
 def llama(llama_cpp, path, **kwargs):
@@ -229,22 +243,42 @@ def test_smollm2_exit_as_a_llama_cpp_draft(tmp_path, smol_gguf, llama_cpp):
     ours = list(itertools.islice(small.generate(prompt_ids, temp=0.0, top_k=1), 16))
     assert ours == exit_tokens
 
+    # As the SmolLM2 GGUF's draft (the file the router's base came from): the greedy output is the target's own.
+    # llama.cpp checks a draft with its batched kernels and plain decoding runs one token at a time, which round a
+    # near-tie apart now and then (measured: 29.424 against 29.396 one by one, 29.386 against 29.261 batched, on
+    # "List three colours."), so the outputs must agree up to the first such tie of the plain run.
     drafter = GGUFDrafter(llama(llama_cpp, info.path), tokens=4)
-    plain = llama(llama_cpp, smol_gguf)
+    plain = llama(llama_cpp, smol_gguf, logits_all=True)
     drafted = llama(llama_cpp, smol_gguf, draft_model=drafter)
-    expected = list(itertools.islice(plain.generate(prompt_ids, temp=0.0, top_k=1), 32))
-    assert list(itertools.islice(drafted.generate(prompt_ids, temp=0.0, top_k=1), 32)) == expected
-    assert drafter.calls > 0
+    judged = accepted = 0
+    for text in ("Write the numbers from one to ten.", "List three colours."):
+        ids = router.encode(text, chat=True)[0].tolist()
+        expected = list(itertools.islice(plain.generate(ids, temp=0.0, top_k=1), 64))
+        scores = np.array(plain.scores[len(ids) - 1 : len(ids) - 1 + len(expected)])
+        margins = np.sort(scores, axis=-1)[:, -1] - np.sort(scores, axis=-1)[:, -2]  # the target's top-2 gap
+        drafter.proposals.clear()
+        ours = list(itertools.islice(drafted.generate(ids, temp=0.0, top_k=1), 64))
+        same = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), len(expected))
+        assert same == len(expected) or margins[same] < 0.05, (text, same, margins[same])
+        assert same >= 16, text
+        for start, proposal in drafter.proposals:  # a draft token counts until the first that the output rejects
+            if start - len(ids) + len(proposal) > same:
+                continue  # past the compared span
+            output = expected[start - len(ids) :]
+            agreed = sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(proposal, output)))
+            accepted, judged = accepted + agreed, judged + min(len(proposal), agreed + 1)
+    assert 0 < accepted < judged  # drafts were proposed, some accepted, some not
 
 
 class GGUFDrafter:
     """llama-cpp-python's draft-model interface (`LlamaDraftModel`) over a second `Llama`: `tokens` greedy tokens
-    from the draft GGUF, its KV cache reused over the common prefix (`generate(reset=True)` keeps it)."""
+    from the draft GGUF, its KV cache reused over the common prefix (`generate(reset=True)` keeps it); each
+    proposal is kept with the prefix length it continues."""
 
     def __init__(self, model, tokens: int) -> None:
-        self.model, self.tokens, self.calls = model, tokens, 0
+        self.model, self.tokens, self.proposals = model, tokens, []
 
     def __call__(self, input_ids, **_):
-        self.calls += 1
-        draft = itertools.islice(self.model.generate(input_ids.tolist(), temp=0.0, top_k=1), self.tokens)
-        return np.array(list(draft), dtype=np.intc)
+        draft = list(itertools.islice(self.model.generate(input_ids.tolist(), temp=0.0, top_k=1), self.tokens))
+        self.proposals.append((len(input_ids), draft))
+        return np.array(draft, dtype=np.intc)

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from early_exit_router.bench.memory import kv_bytes_per_position, tensor_bytes
 from early_exit_router.heads.block import BLOCK_KINDS
 from early_exit_router.models import _compat
+from early_exit_router.models.sizes import kv_bytes_per_position, tensor_bytes
 
 FOLDABLE_ADAPTERS = ("identity", "postnorm", "block", "residual_block")
 # SGLang's server_args.py: `if self.speculative_algorithm == "STANDALONE": reserved_mem += 6 * 1024` (MiB; EAGLE
