@@ -273,11 +273,12 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, matrix_typ
         writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
 
 
-def read_tensor(path: str | Path, name: str) -> torch.Tensor:
-    """A tensor of a GGUF file as float32, dequantized, in HF's (rows, columns) order."""
-    reader = gguf.GGUFReader(path)
+def read_tensors(source: str | Path | gguf.GGUFReader) -> dict[str, torch.Tensor]:
+    """Every tensor of a GGUF file (a path, or a reader of one) as float32, dequantized, in HF's (rows, columns)
+    order, by GGUF name."""
+    reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(source)
+    out = {}
     for tensor in reader.tensors:
-        if tensor.name == name:
-            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(tuple(reversed(tensor.shape.tolist())))
-    raise KeyError(f"{path} has no tensor {name!r}.")
+        data = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        out[tensor.name] = torch.from_numpy(data).reshape(tuple(reversed(tensor.shape.tolist())))
+    return out
