@@ -271,6 +271,33 @@ def test_generate_output_reports_each_tokens_depth():
         assert router.generate(ids, max_new_tokens=4).depths == [5] * 4
 
 
+def test_shapes_are_the_published_models_sizes():
+    from early_exit_router.models.shapes import SHAPES, default_exit_layers, random_model
+
+    counts = {"llama-3.2-1b": 1_235_814_400, "llama-3-8b": 8_030_261_248}  # the models' published parameter counts
+    for name in SHAPES:
+        model = random_model(name, device="meta")  # sizes only: no memory
+        assert sum({id(p): p.numel() for p in model.parameters()}.values()) == counts[name]
+    assert default_exit_layers(16) == [2, 4, 8] and default_exit_layers(32) == [4, 8, 16]
+    with pytest.raises(ValueError, match="use one of llama-3.2-1b"):
+        random_model("llama-9b", device="meta")
+
+
+def test_cli_profile_times_a_published_shape_with_random_weights(tmp_path, monkeypatch, capsys):
+    from early_exit_router.models import shapes
+
+    tiny = dict(shapes.SHAPES["llama-3.2-1b"], vocab_size=96, hidden_size=32, intermediate_size=64, head_dim=8)
+    monkeypatch.setitem(shapes.SHAPES, "llama-3.2-1b", dict(tiny, num_attention_heads=4, num_key_value_heads=2))
+    monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path / "cache"))
+    assert main(["profile", "--shape", "llama-3.2-1b"]) == 0
+    out = capsys.readouterr().out
+    assert "random llama-3.2-1b: 16 layers, exits at [2, 4, 8]" in out and "| exit L2 | exit L4 | exit L8 |" in out
+    assert main(["profile", "--shape", "llama-3.2-1b", "--exit-layers", "3"]) == 0
+    assert "| exit L3 |" in capsys.readouterr().out
+    assert main(["profile", "--shape", "llama-3.2-1b", "--quantize", "int8"]) == 2
+    assert "drop --quantize" in capsys.readouterr().err
+
+
 def test_cli_profile_prints_the_cost_table_and_each_exits_break_even(tiny_folder, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path / "cache"))
     assert main(["profile", "--model", str(tiny_folder), "--exit-layers", "1,3"]) == 0

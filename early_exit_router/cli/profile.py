@@ -6,7 +6,8 @@ import argparse
 import json
 
 from early_exit_router.cli.options import add_load_options, add_router_options, load_options, router_overrides
-from early_exit_router.models.loading import DEFAULT_MODEL
+from early_exit_router.models.loading import DEFAULT_MODEL, parse_dtype
+from early_exit_router.models.shapes import SHAPES
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -18,6 +19,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "the cost policy would do at a few acceptance rates.",
     )
     profile.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
+    profile.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        help="Instead of --model, a published model's shape with random weights (timings do not depend on them), "
+        "fresh heads at --exit-layers (default: an eighth, a quarter and half the depth): the costs of a model users "
+        "deploy, for projections. Llama-3-8B needs 32 GB in float32 (16 in bfloat16, without --no-pack-weights 32).",
+    )
     profile.add_argument("--refresh", action="store_true", help="Measure again even when a cached table exists.")
     profile.add_argument("--json", action="store_true", help="Print the cost model as JSON.")
     profile.add_argument(
@@ -41,7 +49,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.long_context < 0:
         raise SystemExit("--long-context takes a number of cached positions, 1 or more (0: skip).")
-    router = EarlyExitRouter.from_pretrained(args.model, warm_up=False, **load_options(args), **router_overrides(args))
+    if args.shape:
+        router = _shape_router(args)
+    else:
+        overrides = router_overrides(args)
+        router = EarlyExitRouter.from_pretrained(args.model, warm_up=False, **load_options(args), **overrides)
     costs = router.costs(refresh=args.refresh)
     if args.json:
         print(json.dumps(costs.to_dict(), indent=2))
@@ -90,3 +102,17 @@ def run(args: argparse.Namespace) -> int:
             f"({step.concatenating_ms / step.growing_ms:.2f}x); same logits: {'yes' if step.same_logits else 'NO'}"
         )
     return 0
+
+
+def _shape_router(args: argparse.Namespace) -> object:
+    """A router on a random model of `args.shape`, with fresh heads (only their costs are used)."""
+    from early_exit_router.api import EarlyExitRouter
+    from early_exit_router.models.shapes import default_exit_layers, random_model
+
+    if args.quantize:
+        raise ValueError("--shape times a dense model: drop --quantize.")
+    options = load_options(args)
+    overrides = router_overrides(args)
+    model = random_model(args.shape, parse_dtype(options["dtype"]), options["device"] or "cpu")
+    overrides.setdefault("exit_layers", default_exit_layers(model.config.num_hidden_layers))
+    return EarlyExitRouter.from_model(model, None, pack_weights=options["pack_weights"], **overrides)
