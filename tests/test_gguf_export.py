@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from unittest import mock
 
 import gguf
 import numpy as np
@@ -173,6 +174,10 @@ def test_what_cannot_be_written_exactly_is_refused_with_the_fix(tmp_path, vocab_
     with pytest.raises(ValueError, match="'llama3' scaling"):
         export_gguf_draft(scaled, 1, tmp_path / "d.gguf", vocab_gguf=vocab_only_gguf)
     assert not (tmp_path / "d.gguf").exists()
+    with mock.patch("early_exit_router.integrations.gguf_export._add_tensor", side_effect=OSError("disk full")):
+        with pytest.raises(OSError, match="disk full"):
+            export_gguf_draft(router, 1, tmp_path / "d.gguf", vocab_gguf=vocab_only_gguf)
+    assert not (tmp_path / "d.gguf").exists()  # no half-written file left behind
 
 
 def test_cli_refuses_gguf_options_before_loading(tmp_path, capsys):

@@ -132,7 +132,7 @@ def export_gguf_draft(
     matrix_type, file_type = TENSOR_TYPES[tensor_type]
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(out, arch_name)
-    try:
+    try:  # the writer opens `out` at its first write
         _write_hyperparameters(writer, config, rope, file_type, exit_layer)
         _copy_tokenizer(reader, writer)
         names = gguf.get_tensor_name_map(family.arch, config.num_hidden_layers)
@@ -153,8 +153,11 @@ def export_gguf_draft(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-    finally:
+    except BaseException:
         writer.close()
+        out.unlink(missing_ok=True)  # no half-written draft left where llama.cpp would load it
+        raise
+    writer.close()
     result = GGUFDraftExport(
         path=str(out.resolve()),
         exit_layer=exit_layer,
