@@ -113,6 +113,8 @@ def timing(router: EarlyExitRouter) -> None:
     configured = router.config
     for name, (mode, overrides) in arms_config.items():
         router.config = configured.replace(**overrides)
+        # Every arm starts from an empty n-gram store: one that kept an earlier arm's answer would copy it whole.
+        router.clear_ngram_store()
         try:
             torch.cuda.synchronize()
             t = time.perf_counter()
