@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from early_exit_router import EarlyExitRouter
 from early_exit_router.bench.memory import generation_bytes, memory_budget  # noqa: E402
+from early_exit_router.decode.stats import exit_draft_cycles, exit_head_tokens  # noqa: E402
 from early_exit_router.models import _compat
 from tests.conftest import ALWAYS_EXIT, MIXED, NEVER_EXIT, tiny_llama  # noqa: E402
 
@@ -132,8 +133,8 @@ def timing(router: EarlyExitRouter) -> None:
     for routed, alone in (("verify, default config (cost policy)", "verify, exits off (n-gram tier only)"),
                           ("exit, loaded config", "exit, exits off (n-gram tier only)")):  # fmt: skip
         (tps, out), (tps_off, _) = arms[routed], arms[alone]
-        exited = sum(n for layer, n in out.stats.exit_histogram.items() if 0 <= layer < router.stack.num_layers - 1)
-        cycles = sum(n for plan, n in out.stats.policy_cycles.items() if plan.startswith("exit"))
+        exited = exit_head_tokens(out.stats.exit_histogram, router.stack.num_layers)
+        cycles = exit_draft_cycles(out.stats.policy_cycles)
         print(
             f"  exits added ({routed}): {tps / tps_off - 1:+.1%} tok/s, {1000 / tps_off - 1000 / tps:+.2f} ms saved "
             f"per token, {exited} of {out.stats.new_tokens} tokens from exit heads, {cycles} exit draft cycles"

@@ -20,6 +20,7 @@ from early_exit_router.cli import main
 from early_exit_router.integrations.export import build_draft
 from early_exit_router.integrations.gguf_export import (
     GGUF_FAMILIES,
+    copy_tokenizer,
     export_gguf_draft,
     read_tensors,
     rotate_halves_to_pairs,
@@ -44,12 +45,8 @@ def vocab_only_gguf(smol_gguf, tmp_path_factory):
     """SmolLM2's tokenizer metadata alone (no tensors, no dimensions), as llama.cpp's own ggml-vocab-*.gguf files
     are: the vocabulary for tiny test models of SmolLM2's vocabulary size."""
     path = tmp_path_factory.mktemp("vocab") / "vocab.gguf"
-    reader = gguf.GGUFReader(smol_gguf)
     writer = gguf.GGUFWriter(path, "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    copy_tokenizer(gguf.GGUFReader(smol_gguf), writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

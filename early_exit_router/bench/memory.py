@@ -60,9 +60,7 @@ def memory_budget(router: Any, context: int) -> MemoryBudget:
     stack, config = router.stack, router.config
     model = router.model
     base = tensor_bytes(list(model.parameters()) + list(model.buffers()))
-    heads = tensor_bytes(list(router.heads.parameters()))
-    draft = router.heads.draft_head(stack, config.draft_vocab_size)
-    draft_bytes = 0 if draft is None else tensor_bytes([draft.weight, draft.bias])
+    heads, draft_bytes = router.heads.nbytes(stack, config.draft_vocab_size)
     window = getattr(stack.config, "sliding_window", None)
     kv = 0
     for kind, per_position in zip(stack.mask_kinds, kv_bytes_per_position(stack)):

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from early_exit_router.decode.stats import exit_draft_cycles, exit_head_tokens
+
 
 def format_value(value: Any, spec: str = ".2f") -> str:
     """`value` formatted with `spec`, or an en dash for a missing value (tables)."""
@@ -107,10 +109,8 @@ def _exits_added(rows: list[dict[str, Any]], num_layers: int) -> list[str]:
             continue
         gain = routed["tokens_per_s"] / alone["tokens_per_s"] - 1
         saved_ms = 1000 / alone["tokens_per_s"] - 1000 / routed["tokens_per_s"]
-        exited = sum(
-            count for layer, count in routed["exit_histogram"].items() if 0 <= int(layer) < num_layers - 1
-        ) / max(1, routed["tokens"])
-        cycles = sum(v for k, v in (routed.get("policy_cycles") or {}).items() if k.startswith("exit"))
+        exited = exit_head_tokens(routed["exit_histogram"], num_layers) / max(1, routed["tokens"])
+        cycles = exit_draft_cycles(routed.get("policy_cycles"))
         lines.append(
             f"Exits added in {mode} mode: {routed['tokens_per_s']:.1f} against {alone['tokens_per_s']:.1f} tok/s "
             f"with the n-gram tier alone ({gain:+.1%}, {saved_ms:+.2f} ms saved per token); tokens from exit heads "

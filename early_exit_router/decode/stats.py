@@ -371,6 +371,17 @@ def combined_stats(rows: list[GenerationStats], one_after_another: bool = False)
     )
 
 
+def exit_head_tokens(histogram: dict[Any, int], num_layers: int) -> int:
+    """Tokens of an exit histogram that left at an exit head: neither at full depth nor from the n-gram tier (key
+    -1). Keys may be strings (a summary read back from JSON)."""
+    return sum(count for layer, count in histogram.items() if 0 <= int(layer) < num_layers - 1)
+
+
+def exit_draft_cycles(policy_cycles: dict[str, int] | None) -> int:
+    """The cost policy's cycles that an exit head drafted (its chains and trees)."""
+    return sum(count for plan, count in (policy_cycles or {}).items() if plan.startswith("exit"))
+
+
 def plain_stats(new_tokens: int, wall_s: float, num_layers: int) -> GenerationStats:
     """Plain HF decoding's statistics: every token at full depth, one deep pass per token after the prefill's."""
     passes = max(0, new_tokens - 1)

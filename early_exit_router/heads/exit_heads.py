@@ -23,6 +23,7 @@ from early_exit_router.heads.adapters import (
 from early_exit_router.heads.block import BLOCK_KINDS, BlockAdapter, block_source
 from early_exit_router.heads.draft import DraftHead
 from early_exit_router.heads.gates import LearnedGate
+from early_exit_router.models.sizes import tensor_bytes
 
 DRAFT_RANKING = "draft_ranking"  # state_dict key of ExitHeads' token ranking for the trimmed draft head
 UNTRAINED_EXIT_MODE = (
@@ -156,6 +157,12 @@ class ExitHeads(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def nbytes(self, stack: Any, draft_vocab_size: int) -> tuple[int, int]:
+        """Bytes these heads add to the model: (exit adapters and gates, the trimmed draft head's copy of the LM
+        head's rows; 0 where the draft head is the full head)."""
+        draft = self.draft_head(stack, draft_vocab_size)
+        return tensor_bytes(list(self.parameters())), 0 if draft is None else tensor_bytes([draft.weight, draft.bias])
 
     def describe(self, name: str, stack: Any, config: Any, share: float) -> str:
         """One line about these heads on `stack`'s model (`name`) under `config`: exit layers, adapters, whether

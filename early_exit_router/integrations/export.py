@@ -34,7 +34,7 @@ import torch
 
 from early_exit_router.heads.block import BLOCK_KINDS
 from early_exit_router.models import _compat
-from early_exit_router.models.sizes import kv_bytes_per_position, tensor_bytes
+from early_exit_router.models.sizes import kv_bytes_per_position
 
 FOLDABLE_ADAPTERS = ("identity", "postnorm", "block", "residual_block")
 # SGLang's server_args.py: `if self.speculative_algorithm == "STANDALONE": reserved_mem += 6 * 1024` (MiB; EAGLE
@@ -55,9 +55,7 @@ class DraftExport:
     bytes: int  # parameter memory of the draft in its dtype
     dtype: str
     base: str = "BASE"  # the model the draft serves beside (the folder its layers came from), when known
-    kv_bytes_per_token: int = (
-        0  # the draft's own KV cache per position, which every engine allocates beside the target's
-    )
+    kv_bytes_per_token: int = 0  # the draft's own KV cache per position, allocated beside the target's
     router_bytes: int = 0  # what the one-model router adds instead: exit heads, gates and the trimmed draft head
 
     def engine_memory(self) -> dict[str, str]:
@@ -79,8 +77,7 @@ class DraftExport:
         `draft_tokens` is how many tokens the draft proposes per verification (vLLM's `num_speculative_tokens`,
         SGLang's `--speculative-num-steps`, with `--speculative-num-draft-tokens` one more for a chain of topk 1).
         """
-        if draft_tokens < 1:
-            raise ValueError(f"draft_tokens must be at least 1, got {draft_tokens}.")
+        check_draft_tokens(draft_tokens)
         spec = {"method": "draft_model", "model": self.path, "num_speculative_tokens": draft_tokens}
         return {
             "vllm": f"LLM(model={self.base!r}, speculative_config={spec!r})",
@@ -96,6 +93,12 @@ class DraftExport:
                 f"assistant_model=AutoModelForCausalLM.from_pretrained({self.path!r}))"
             ),
         }
+
+
+def check_draft_tokens(draft_tokens: int) -> None:
+    """Refuse a draft length under 1 for the serving commands."""
+    if draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be at least 1, got {draft_tokens}.")
 
 
 def build_draft(router: Any, exit_layer: int) -> tuple[torch.nn.Module, str, int]:
@@ -179,7 +182,7 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
         dtype=str(router.stack.dtype).replace("torch.", ""),
         base=_base_path(router.model),
         kv_bytes_per_token=sum(kv_bytes_per_position(router.stack)[: draft.config.num_hidden_layers]),
-        router_bytes=_router_bytes(router),
+        router_bytes=sum(router.heads.nbytes(router.stack, router.config.draft_vocab_size)),
     )
     info = {
         **asdict(result),
@@ -195,8 +198,3 @@ def _base_path(model: Any) -> str:
     """Where the base model's weights were loaded from (a local folder or a Hub id), for the serving commands: the
     draft's layers are that checkpoint's, so the engine should serve that one beside it."""
     return str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "BASE")
-
-
-def _router_bytes(router: Any) -> int:
-    draft = router.heads.draft_head(router.stack, router.config.draft_vocab_size)
-    return tensor_bytes(list(router.heads.parameters()) + ([] if draft is None else [draft.weight, draft.bias]))

@@ -31,7 +31,7 @@ import gguf
 import numpy as np
 import torch
 
-from early_exit_router.integrations.export import build_draft
+from early_exit_router.integrations.export import build_draft, check_draft_tokens
 from early_exit_router.models.loading import source_gguf
 
 
@@ -80,8 +80,7 @@ class GGUFDraftExport:
         """llama.cpp commands that serve `target` with this file as its draft. Today's builds name the draft type
         (`--spec-type draft-simple`; `-md` alone no longer enables it) and its length (`--spec-draft-n-max`); the
         older flags (`--draft-max`, `--draft-min`) now fail with "the argument has been removed"."""
-        if draft_tokens < 1:
-            raise ValueError(f"draft_tokens must be at least 1, got {draft_tokens}.")
+        check_draft_tokens(draft_tokens)
         spec = f"-md {shlex.quote(self.path)} --spec-type draft-simple --spec-draft-n-max {draft_tokens}"
         return {
             "llama_server": f"llama-server -m {shlex.quote(target)} {spec}",
@@ -113,7 +112,7 @@ def export_gguf_draft(
             f"GGUF export knows no layout for model type {model_type!r} (known: {', '.join(GGUF_FAMILIES)}). "
             "Export an HF folder instead (without --gguf) and convert it with llama.cpp's convert_hf_to_gguf.py."
         )
-    rope = _rope_parameters(router.model.config)
+    rope = dict(router.model.config.rope_parameters or {})
     if rope.get("rope_type", "default") != "default":
         raise ValueError(
             f"GGUF export writes plain RoPE; this model uses {rope['rope_type']!r} scaling. Export an HF folder "
@@ -134,7 +133,7 @@ def export_gguf_draft(
     writer = gguf.GGUFWriter(out, arch_name)
     try:  # the writer opens `out` at its first write
         _write_hyperparameters(writer, config, rope, file_type, exit_layer)
-        _copy_tokenizer(reader, writer)
+        copy_tokenizer(reader, writer)
         names = gguf.get_tensor_name_map(family.arch, config.num_hidden_layers)
         parameters = 0
         for key, tensor in draft.state_dict().items():
@@ -199,13 +198,6 @@ def _vocab_source(router: Any, vocab_gguf: str | Path | None) -> Path:
     return path
 
 
-def _rope_parameters(config: Any) -> dict[str, Any]:
-    rope = getattr(config, "rope_parameters", None) or {}
-    if "rope_theta" not in rope and hasattr(config, "rope_theta"):  # older configs keep it at the top
-        rope = {"rope_type": "default", **rope, "rope_theta": config.rope_theta}
-    return dict(rope)
-
-
 def _field(reader: gguf.GGUFReader, key: str) -> Any:
     field = reader.get_field(key)
     return None if field is None else field.contents()
@@ -253,7 +245,7 @@ def _write_hyperparameters(
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+def copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
     """Every `tokenizer.*` key of `reader`, with its GGUF value type (arrays keep their element type)."""
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
