@@ -11,7 +11,6 @@ import http.client
 import json
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -484,12 +483,10 @@ def test_a_body_far_past_the_drain_bound_is_cut_off_and_the_server_serves_on(ser
     """1 GB sent without pause: the server answers (at once when declared, after the drain bound when chunked) and
     closes the connection; the client may read the 413 or a reset, and the server goes on serving."""
     url, _ = server
-    started = time.monotonic()
-    status, body, sent = post_whole(url, 1 << 30, chunked=chunked)
+    status, body, sent = post_whole(url, 1 << 30, chunked=chunked)  # its socket's timeout bounds a hang
     assert status in (413, None) and sent < 1 << 28, (status, sent)  # stopped long before the body ended
     if status == 413:
         assert assert_openai_error(body)["code"] == "request_too_large"
-    assert time.monotonic() - started < 60
     assert call(url, "/health")[0] == 200
     response = client(url).completions.create(model=MODEL, prompt="Hi", max_tokens=1)
     assert response.usage.completion_tokens == 1
