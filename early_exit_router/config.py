@@ -242,9 +242,9 @@ class DraftingOptions:
     exit_acceptance_prior: float | None = field(
         default=None,
         metadata={
-            "help": "Cost policy: the exits' acceptance estimate before any verdict (in [0, 1]; None: "
-            "acceptance_prior). Below an exit's break-even, the policy drafts from it only once shadow probes "
-            "have seen it right often enough."
+            "help": "Cost policy: an exit's estimates before any verdict (in [0, 1]; None: acceptance_prior): "
+            "its drafts' acceptance, its gate's firing share, its top-1 agreement (the gate's recent_acceptance "
+            "feature). Where they price its chains below plain decoding, shadow probes must see it pay first."
         },
     )
     ngram_tier: bool = field(

@@ -34,7 +34,8 @@ def _branch_verdicts(monkeypatch) -> list[bool]:
 
 
 def test_the_policy_branches_an_exits_drafts_where_positions_are_cheap():
-    tracker = AcceptanceTracker(prior=0.5, kind_priors={"exit": 0.6, "exit branch": 0.5})
+    # a gate that always fires: every chain runs to its cap, as the tree's cost assumes
+    tracker = AcceptanceTracker(prior=0.5, kind_priors={"exit": 0.6, "exit branch": 0.5, "fire": 1.0})
     flat = DraftPolicy(FLAT, [1], [False], tree_nodes=16, exit_branches=1)
     plan = flat.plan(tracker, 8, [None], branching=[0])
     assert plan.kind == "exit" and plan.exit_tree and plan.branches == 1 and 1 <= plan.max_draft <= 8
@@ -92,14 +93,14 @@ def test_an_accepted_alternative_is_kept_with_the_full_models_token_after_it(mon
 
 
 def test_chains_judge_their_alternatives_so_the_estimate_follows_the_text(monkeypatch):
-    """Where the policy drafts chains, each refused draft still says whether an alternative was right, and a chain
-    that stops on confidence counts as a miss (no alternative stands there): the alternatives' estimate keeps
+    """Where the policy drafts chains, each refused draft still says whether an alternative was right (a chain that
+    stops at an unconfident ask drafted nothing there, and is no verdict on them): the alternatives' estimate keeps
     learning while no tree is drafted, and output stays greedy's."""
     verdicts = _branch_verdicts(monkeypatch)
     model = tiny_llama(0)
     ids = prompt(1, 8)
     ref = model.generate(ids, max_new_tokens=40, do_sample=False)
-    config = {**EAGER, "high_conf_threshold": 0.3, "exit_branches": 1}
+    config = {**EAGER, "exit_branches": 1}
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **config)
     router.cost_model = SLOPED  # exit trees never pay here
     out = router.generate(ids, max_new_tokens=40, mode="verify")
@@ -107,7 +108,7 @@ def test_chains_judge_their_alternatives_so_the_estimate_follows_the_text(monkey
     assert not any(k.startswith("exit tree") for k in out.stats.policy_cycles)
     assert any(k.startswith("exit L") for k in out.stats.policy_cycles), out.stats.policy_cycles
     assert verdicts and not all(verdicts)
-    assert len(verdicts) > out.stats.rejected_drafts  # the confidence stops' misses beside the refusals' verdicts
+    assert len(verdicts) == out.stats.rejected_drafts  # one verdict per refused draft, none at the gate's stops
     verdicts.clear()
     router.generate(ids, max_new_tokens=40, mode="verify", config={"exit_branches": 0})
     assert not verdicts  # no alternatives kept: nothing to judge

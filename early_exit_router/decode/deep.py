@@ -259,7 +259,7 @@ def judge(dec: DecodeState, first: int, offsets: list[int] | None, verdicts: lis
             draft = row.drafts.get(first + offset)
             if draft is None:  # a finished row's padding
                 continue
-            dec.tracker.observe(draft.key, bool(ok))
+            dec.tracker.observe_draft(draft.key, bool(ok))
             counts[0][draft.tier] += 1
             counts[1][draft.tier] += int(ok)
             seen.append(bool(ok))

@@ -17,7 +17,7 @@ from early_exit_router.decode.emit import append, choose, embed
 from early_exit_router.decode.state import DecodeState, Draft, Row, VerifyCycle
 from early_exit_router.heads.gates import uses_head
 from early_exit_router.routing.ngram import NO_PROPOSAL, ContextIndex, Proposal
-from early_exit_router.routing.policy import TierKey
+from early_exit_router.routing.policy import Plan, TierKey
 from early_exit_router.routing.token_tree import TokenTree
 
 
@@ -75,10 +75,14 @@ def try_exit(
     target: int | None,
     key: TierKey | None = None,
     alternatives: int = 0,
+    threshold: float | None = None,
 ) -> bool:
     """Ask exit `i` about slot `q` for every row; when every unfinished row may leave, emit each row's head token and
     park the chunk in front of the next segment. `target`: a block's decision, taken without asking.
-    `alternatives` (one greedy row): the draft keeps the head's next this-many choices, for an exit tree."""
+    `alternatives` (one greedy row): the draft keeps the head's next this-many choices, for an exit tree.
+    `threshold`: a confidence (a head gate's P(agree), else the head's largest probability) that also lets the token
+    draft where the exit rule would not (verify mode's per-token break-even, `DraftPolicy.draft_threshold`); a
+    drafted token's confidence then scales `dec.survival`."""
     last = hidden[:, -1]  # (b, hidden): the current token at this exit
     gate = dec.exit_drafter.gate(i)
     if target is None and gate is not None and not uses_head(gate):
@@ -97,7 +101,7 @@ def try_exit(
     alternatives = alternatives if tokens is not None and len(dec.rows) == 1 else 0
     if target is None:
         t0 = time.perf_counter()
-        ok, confidence = exit_flags(dec, i, last, logits, with_gate=False)[1:]
+        ok, confidence = exit_flags(dec, i, last, logits, with_gate=False, threshold=threshold)[1:]
         signals = [ok.double(), confidence.double()] + ([] if tokens is None else list(tokens.double()))
         if alternatives:  # fetched in the same host sync
             signals += list(logits[0].topk(alternatives + 1).indices.double())
@@ -106,9 +110,13 @@ def try_exit(
             chosen, ranked = chosen[: -(alternatives + 1)], chosen[-(alternatives + 1) :]
         dec.passes.routing_s += time.perf_counter() - t0
         if not ok:
+            for row, token in zip(dec.rows, chosen):  # judged once the deep pass has chosen (`judge_refusals`)
+                if not row.done:
+                    dec.refusals.append((row, len(row.tokens), int(token), i))
             return False
         dec.rule.start_block(dec.routing, i)
         dec.rule.record_exit(dec.routing, low)
+        dec.survival *= low
     if tokens is None:
         tokens = choose(dec, q + 1, logits)
     ids = [int(t) for t in chosen] if chosen else tokens.tolist()
@@ -124,6 +132,19 @@ def try_exit(
             row.drafts[q] = Draft(i, key or ("exit", i), others, noise)
     append(dec, tokens, ids, dec.exits[i], logits)
     return True
+
+
+def ask_in_chain(dec: DecodeState, plan: Plan, hidden: torch.Tensor, q: int) -> bool:
+    """One ask of an exit plan's chain at slot `q` (exit states `hidden`): whether its token drafted. The token drafts
+    where its confidence reaches the exit rule's bar or its own break-even (`draft_threshold`); a refusal ends the
+    chain and is booked as the gate's "no", not as a rejected draft. The ask is timed for the policy, which prices
+    asks as the decoder runs them."""
+    threshold, t0 = draft_threshold(dec, plan.tier), time.perf_counter()
+    fired = try_exit(dec, plan.tier, hidden, q, None, plan.key, plan.branches, threshold)
+    if dec.policy is not None:
+        dec.policy.observe_ask(plan.tier, (time.perf_counter() - t0) * 1000)
+    dec.tracker.observe(("fire", plan.tier), fired)
+    return fired
 
 
 def worth_asking(dec: DecodeState, i: int, target: int | None) -> bool:
@@ -143,14 +164,17 @@ def worth_asking(dec: DecodeState, i: int, target: int | None) -> bool:
 
 
 def exit_flags(
-    dec: DecodeState, i: int, last: torch.Tensor, logits: torch.Tensor, with_gate: bool
+    dec: DecodeState, i: int, last: torch.Tensor, logits: torch.Tensor, with_gate: bool, threshold: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exit `i`'s cascade on its head's `logits` (b, vocab): (b,) flags, whether every unfinished row may leave, and
     the lowest confidence among them. A head gate's probability is the confidence; `with_gate` also folds in a gate
-    that runs before the head (the decoder asks that one first, probes do not)."""
+    that runs before the head (the decoder asks that one first, probes do not). `threshold`: a confidence that also
+    lets a row draft, below the exit rule's thresholds (verify mode's per-token break-even)."""
     gate = dec.exit_drafter.gate(i)
     learned = gate_probability_at(dec, i, gate, last, logits) if uses_head(gate) else None
     flags, confidence = dec.rule.head_signal(logits, dec.routing.threshold_shift, learned, dec.exit_drafter.draft_ids)
+    if threshold is not None:  # the exit rule's bar still suffices: a user's thresholds keep their meaning
+        flags = flags | (confidence >= threshold)
     if with_gate and gate is not None and learned is None:
         flags = flags & dec.rule.gate_allows(gate_probability_at(dec, i, gate, last))
     active = _active(dec)
@@ -166,7 +190,7 @@ def gate_probability_at(
 ) -> torch.Tensor:
     """Exit `i`'s gate probability (b,) for the current slot, with the context features where it reads them."""
     tokens = [ngram_token(dec, row) for row in dec.rows] if dec.exit_drafter.needs_context(gate) else None
-    return dec.exit_drafter.gate_probability(gate, last, tokens, dec.tracker.estimate(("exit", i)), logits)
+    return dec.exit_drafter.gate_probability(gate, last, tokens, dec.tracker.estimate(("agree", i)), logits)
 
 
 def _every_active(dec: DecodeState, flags: torch.Tensor) -> bool:
@@ -193,14 +217,37 @@ def probe_exits(dec: DecodeState, shadows: list[tuple[int, torch.Tensor]]) -> No
         if i in dec.fill.blocks and dec.fill.blocks[i].end != dec.slots.length - 1:
             continue  # the probed position was rolled back: nothing to ask the block about
         logits = dec.exit_drafter.logits(i, last, dec.fill.blocks)  # (b, vocab)
-        flags = exit_flags(dec, i, last, logits, with_gate=True)[0]
+        flags = exit_flags(dec, i, last, logits, with_gate=True, threshold=draft_threshold(dec, i))[0]
         probed.append(i)
-        signals.append(flags & (logits.argmax(dim=-1) == chosen))
+        signals.append(torch.stack([flags, logits.argmax(dim=-1) == chosen]))  # (2, b)
     if signals:
-        for i, oks in zip(probed, torch.stack(signals).tolist()):  # one host sync for every exit
-            for ok in oks:
-                dec.tracker.observe(("exit", i), bool(ok))
+        for i, (fired, agreed) in zip(probed, torch.stack(signals).tolist()):  # one host sync for every exit
+            for fire, ok in zip(fired, agreed):
+                dec.tracker.observe(("fire", i), bool(fire))
+                dec.tracker.observe(("agree", i), bool(ok))
+                if fire:
+                    dec.tracker.observe(("exit", i), bool(ok))
     dec.passes.routing_s += time.perf_counter() - t0
+
+
+def draft_threshold(dec: DecodeState, i: int) -> float | None:
+    """Verify mode under the cost policy: the P(agree) exit `i` needs to draft the current slot's next token, at what
+    waits for the deep pass and the cycle's survival so far (`DraftPolicy.draft_threshold`); else None (the exit
+    rule's thresholds decide)."""
+    if dec.mode != "verify" or dec.policy is None:
+        return None
+    return dec.policy.draft_threshold(i, dec.pending, dec.survival)
+
+
+def judge_refusals(dec: DecodeState) -> None:
+    """The step's refused asks (an exit whose gate kept the token from leaving), judged where the full model chose
+    the next token right after: whether the exit's top-1 was that token. With the drafts' verdicts this is the exit's
+    agreement over every position it was asked about, the `recent_acceptance` its gate was trained on (drafts alone
+    would show only the positions where the gate fired)."""
+    for row, length, token, i in dec.refusals:
+        if len(row.tokens) > length and row.depth[length - row.prompt_len] == dec.full_layer:
+            dec.tracker.observe(("agree", i), row.tokens[length] == token)
+    dec.refusals.clear()
 
 
 def append_ngram(dec: DecodeState, proposals: list[Proposal | None]) -> int:

@@ -35,6 +35,8 @@ from early_exit_router.decode.deep import deep_pass, flush, head
 from early_exit_router.decode.drafters import ExitDrafter, SuffixDrafter
 from early_exit_router.decode.drafting import (
     append_ngram,
+    ask_in_chain,
+    judge_refusals,
     probe_exits,
     propose_ngram,
     propose_rows,
@@ -109,8 +111,9 @@ class Decoder(DecodeState):
         self.policy = DraftPolicy.for_config(costs, config, heads) if policy else None
         self.suffix = SuffixDrafter(config, store if config.ngram_tier else None)
         self.exit_drafter = ExitDrafter(stack, heads, config, self.exits)
-        exit_prior = config.exit_acceptance_prior  # an exit's drafts and their alternatives (exit trees)
-        prior = {} if exit_prior is None else {"exit": exit_prior, "exit branch": exit_prior}
+        exit_prior = config.exit_acceptance_prior  # an exit's drafts, their alternatives, its gate, its top-1
+        kinds = ("exit", "exit branch", "fire", "agree")
+        prior = {} if exit_prior is None else dict.fromkeys(kinds, exit_prior)
         self.tracker = AcceptanceTracker(prior=config.acceptance_prior, kind_priors=prior)
         self.probe_schedule = ProbeSchedule(config.probe_interval)
         self.monitor = AgreementMonitor(config.monitor_window, config.monitor_min_agreement)
@@ -126,6 +129,8 @@ class Decoder(DecodeState):
         self.cycle: VerifyCycle | None = None
         self.plan: Plan | None = None
         self.cycle_drafts = 0
+        self.survival = 1.0
+        self.refusals = []
 
     # ------------------------------------------------------------------------------------------ rows in and out
     @property
@@ -221,6 +226,7 @@ class Decoder(DecodeState):
             self._cycle_step()
         else:
             self._cascade_step()
+        judge_refusals(self)
         settle(self)
         one = self.passes.deep_passes == passes + 1 and self.passes.fill_positions == positions + 1
         if one and len(self.rows) == 1 and self.costs is not None:  # a plain step: the table's check (`stale`)
@@ -272,7 +278,7 @@ class Decoder(DecodeState):
         token that goes deep verifies the cycle's drafts in one pass."""
         q = self.slots.length - 1
         if self.plan is None:
-            self.plan = self._choose_plan()
+            self.plan, self.survival = self._choose_plan(), 1.0
             name = self.plan.label(self.exits)
             self.passes.plan_counts[name] = self.passes.plan_counts.get(name, 0) + 1
         plan = self.plan
@@ -293,13 +299,9 @@ class Decoder(DecodeState):
             if plan.kind != "exit":
                 shadows.append((at.exit, at.hidden[:, -1]))
                 continue
-            if drafting:
-                if try_exit(self, at.exit, at.hidden, q, None, key=plan.key, alternatives=plan.branches):
-                    self.cycle_drafts += 1
-                    return
-                self.tracker.observe(plan.key, False)  # the chain stopped: this position yielded no draft
-                if plan.branches:  # and no alternative stands where the chain stopped
-                    self.tracker.observe(("exit branch", plan.tier), False)
+            if drafting and ask_in_chain(self, plan, at.hidden, q):
+                self.cycle_drafts += 1
+                return
             if plan.exit_tree and self.cycle_drafts:  # the token that goes deep takes the alternatives with it
                 self.plan, self.cycle_drafts = None, 0
                 return verify_exit_tree(self, plan.tier, at.hidden)

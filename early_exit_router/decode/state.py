@@ -142,3 +142,5 @@ class DecodeState:
     cycle: VerifyCycle | None  # drafts in flight that the next deep pass verifies
     plan: Plan | None  # the cost policy's current draft cycle
     cycle_drafts: int  # drafts that cycle has made so far
+    survival: float  # verify mode: the chance that the cycle's exit drafts so far are all accepted
+    refusals: list[tuple[Row, int, int, int]]  # this step's refused asks: (row, its length, the head's top-1, exit)

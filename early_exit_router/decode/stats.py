@@ -399,7 +399,7 @@ def decode_stats(dec: Any, row: Any) -> GenerationStats:
     end = row.ended if row.ended is not None else time.perf_counter()
     record = RowRecord(row.depth[:new], row.counters, end - row.started, row.prefill_s)
     names = {"ngram": "ngram match {}", "branch": "tree branch match {}", "exit": "exit L{}", "ask": "exit rate L{}",
-             "exit branch": "exit branch L{}"}  # fmt: skip
+             "exit branch": "exit branch L{}", "fire": "exit fires L{}", "agree": "exit agreement L{}"}  # fmt: skip
     estimates = {
         names[kind].format(index if kind in ("ngram", "branch") else dec.exits[index]): round(a, 4)
         for (kind, index), a in sorted(dec.tracker.estimates.items())

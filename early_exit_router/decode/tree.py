@@ -177,7 +177,7 @@ def _keep_walked_path(
             break
         taken = path[step] if step < len(path) else None
         ok = taken is not None and first[taken]
-        dec.tracker.observe(keys[0], ok)
+        dec.tracker.observe_draft(keys[0], ok)
         if not ok and len(children) > 1:
             dec.tracker.observe(keys[1], taken is not None)
         row.counters.judged[tier] += 1

@@ -8,7 +8,12 @@ layer counts replaced by measured milliseconds):
 - n-gram tier: the proposal costs nothing; the verify pass runs every layer over d + 1 positions and the head
   over d + 1 rows.
 - exit `e`: each draft runs layers 0..e for one position plus the trimmed draft head (and gate); the token that goes
-  deep runs layers 0..e alone, then layers e+1.. over the d + 1 positions, then the head over d + 1 rows.
+  deep runs layers 0..e alone, then layers e+1.. over the d + 1 positions, then the head over d + 1 rows. The exit's
+  gate decides per token: a chain asks it at every position and drafts while it fires, so a cycle drafts d < m tokens
+  with probability f^d (1 - f) (f: the share of asks that fire; a refused ask costs only its head and gate, and the
+  token goes deep at once), and its drafts are accepted at the acceptance `a` of fired tokens. Tracking f and a apart
+  keeps a gate that fires seldom but is right when it does (a shallow exit's usual profile) from looking like an exit
+  that is often wrong.
 - plain decoding: one token per plain step (every layer, one head row), and no head or gate at any exit.
 
 Exit mode, where exited tokens are final, asks an exit only while that pays (`worth_consulting`): asking costs the
@@ -22,7 +27,7 @@ near-tie decodes plainly. Acceptance is estimated online per tier (and per `Prop
 from the deep pass's verdict on every draft, and from "shadow" checks: on plain steps the n-gram proposal that was not
 used is checked against the token the full model chose, and every `probe_interval` plain steps each exit's draft head
 is scored on the hidden state the step computed anyway, so a tier that was switched off is noticed when the text
-becomes predictable again. An exit whose estimate stays below its break-even acceptance (`draft_break_even`) is
+becomes predictable again. An exit whose chains do not pay at its estimates (`draft_pays`) is
 probed at doubling gaps, up to `MAX_PROBE_BACKOFF` intervals apart (`ProbeSchedule`): where exits cannot pay, as on a
 CPU whose plain steps are cheap, their probes cost little.
 """
@@ -37,12 +42,15 @@ from early_exit_router.routing.costs import CostModel
 from early_exit_router.routing.ngram import Proposal
 from early_exit_router.routing.token_tree import TokenTree
 
-# ("exit", exit index), ("ngram", match class); ("branch", match class): a token tree's other continuations, once
-# the first is refused; ("exit branch", exit index): an exit's next choices, once its first is refused; exit mode:
-# ("ask", exit index)
+# ("exit", exit index): a fired exit's drafts; ("fire", exit index): the share of a chain's asks whose gate let the
+# token draft; ("agree", exit index): the exit head's top-1 agreement with the full model over every judged position
+# (the gate's `recent_acceptance` feature, as training replays it); ("ngram", match class); ("branch", match class): a
+# token tree's other continuations, once the first is refused; ("exit branch", exit index): an exit's next choices,
+# once its first is refused; exit mode: ("ask", exit index)
 TierKey = tuple[str, int]
 MARGIN = 0.03  # drafting must beat plain decoding by this share, so that a near-tie decodes plainly
 MAX_PROBE_BACKOFF = 8  # an exit that cannot pay is still probed at least every this-many probe intervals
+ASK_RATE = 0.1  # weight of each timed ask in an exit's running ask cost
 
 
 def expected_tokens(a: float, d: int) -> float:
@@ -67,6 +75,12 @@ class AcceptanceTracker:
     def observe(self, key: TierKey, accepted: bool) -> None:
         a = self.estimate(key)
         self.estimates[key] = a + self.rate * (float(accepted) - a)
+
+    def observe_draft(self, key: TierKey, accepted: bool) -> None:
+        """A draft's verdict; an exit's is also a verdict on its head's top-1 (the gate's agreement feature)."""
+        self.observe(key, accepted)
+        if key[0] == "exit":
+            self.observe(("agree", key[1]), accepted)
 
 
 @dataclass
@@ -135,10 +149,12 @@ class DraftPolicy:
         self.check_share = check_share  # exit mode: the share of exited tokens the fill checks (one head row each)
         self.tree_nodes = tree_nodes  # most nodes a token tree may verify in one pass
         self.exit_branches = exit_branches  # alternatives per token an exit drafts into a tree
+        self.max_draft = max_draft
         self.plain_rate = 1.0 / costs.plain_step()
+        self._asks: dict[int, float] = {}  # exit index -> its asks' running ms, as the decoder timed them
         # Consulted on every token (exit mode) or every plan (verify); the table is fixed, so they are worked out once.
         self._break_even = [self.break_even_exit_rate(i) for i in range(len(self.exit_layers))]
-        self._exit_cycles: dict[tuple[int, int, int], float] = {}  # (exit, drafts, leaves) -> ms, filled as asked
+        self._exit_cycles: dict[tuple[int, int, int], float] = {}  # (exit, drafts, leaves) -> ms, less the asks
         self._draft_break_even = [self._acceptance_to_pay(i, max_draft) for i in range(len(self.exit_layers))]
 
     @classmethod
@@ -162,11 +178,21 @@ class DraftPolicy:
         )
 
     def consult_ms(self, i: int) -> float:
-        """Asking exit `i` about one token: its draft head and gate, and a block adapter's layer."""
+        """Asking exit `i` about one token: its draft head and gate, and a block adapter's layer; as the decoder
+        timed its asks where it has (`observe_ask`), else as the cost table prices the parts."""
+        if i in self._asks:
+            return self._asks[i]
         c = self.costs
         return (
             c.draft_head_ms + (c.gate_ms if self.uses_gate[i] else 0.0) + (c.layers(1, 1) if self.has_block[i] else 0.0)
         )
+
+    def observe_ask(self, i: int, ms: float) -> None:
+        """One ask of exit `i` as the decoder ran it (head, gate, their host sync and the bookkeeping around them):
+        in situ an ask costs several times the parts the table times alone (on a 2-core CPU 1.8 ms against 0.57),
+        and pricing it from the parts made drafting look cheaper than it was."""
+        known = self._asks.get(i)
+        self._asks[i] = ms if known is None else known + ASK_RATE * (ms - known)
 
     def exit_saving_ms(self, i: int) -> float:
         """What one token leaving at exit `i` saves in exit mode: the layers after the exit and the head row its own
@@ -186,14 +212,31 @@ class DraftPolicy:
         """Exit mode: whether asking exit `i` pays, at an estimated `exit_rate` of tokens asked that leave there."""
         return exit_rate >= self._break_even[i]
 
+    def draft_threshold(self, i: int, pending: int, survival: float = 1.0) -> float:
+        """Verify mode: the least P(agree) at which exit `i` drafts the next token, where `pending` positions wait
+        for the deep pass besides the current one and `survival` is the chance that the cycle's drafts so far are all
+        accepted (the product of their P(agree)).
+
+        Drafting x after the current token t costs x's shallow layers and ask, and one more position (and head row)
+        in the deep pass; if x is accepted (and t's prefix was), the deep pass yields x and the token after it, so x
+        saves the plain step that token would have needed. It pays at P(agree) x survival x plain step > that cost:
+        the decision is per token, from the gate's own probability, not from a running estimate or exit mode's
+        confidence bar."""
+        c, e = self.costs, self.exit_layers[i]
+        rest, n = c.num_layers - e - 1, pending + 1
+        extra = c.layers(e + 1, 1) + self.consult_ms(i) + c.layers(rest, n + 1) - c.layers(rest, n)
+        extra += c.head(n + 1) - c.head(n)
+        return extra / (max(survival, 1e-9) * c.plain_step())
+
     def draft_break_even(self, i: int) -> float:
         """Verify mode: the least per-position acceptance at which drafting from exit `i` beats plain decoding by
         the margin (inf: never)."""
         return self._draft_break_even[i]
 
-    def draft_pays(self, i: int, tracker: AcceptanceTracker) -> bool:
-        """Whether exit `i`'s acceptance estimate reaches its break-even."""
-        return tracker.estimate(("exit", i)) >= self._draft_break_even[i]
+    def draft_pays(self, i: int, tracker: AcceptanceTracker, budget: int | None = None) -> bool:
+        """Whether a gated chain from exit `i`, at its estimates of firing and acceptance, beats plain decoding by
+        the margin (drafting up to `budget` tokens, default `max_pending`)."""
+        return self._exit_plan(i, tracker, budget or self.max_draft, False).rate > self.plain_rate * (1.0 + self.margin)
 
     def _acceptance_to_pay(self, i: int, max_draft: int) -> float:
         """`draft_break_even`, by bisection: the best draft's rate grows with the acceptance."""
@@ -220,14 +263,11 @@ class DraftPolicy:
         key = (i, d, leaves)
         if key not in self._exit_cycles:
             self._exit_cycles[key] = self._exit_cycle_ms(i, d, leaves)
-        return self._exit_cycles[key]
+        return self._exit_cycles[key] + d * self.consult_ms(i)  # each draft's ask (a block adapter's layer in it)
 
     def _exit_cycle_ms(self, i: int, d: int, leaves: int) -> float:
         c, e = self.costs, self.exit_layers[i]
-        shallow = c.layers(e + 1, 1)
-        per_draft = shallow + c.draft_head_ms + (c.gate_ms if self.uses_gate[i] else 0.0)
-        if self.has_block[i]:  # a block adapter is one more decoder layer per draft
-            per_draft += c.layers(1, 1)
+        per_draft = shallow = c.layers(e + 1, 1)
         rest = c.num_layers - e - 1
         if not leaves:
             return d * per_draft + shallow + c.layers(rest, d + 1) + c.head(d + 1)
@@ -313,23 +353,42 @@ class DraftPolicy:
                 best = plan
         return best
 
+    def gated_chains(
+        self, i: int, fire: float, a: float, budget: int, gain: Callable[[int], float] | None = None, leaves: int = 0
+    ) -> list[tuple[float, float]]:
+        """Gated chains from exit `i` capped at m = 1..budget drafts: for each, (expected tokens, expected ms). Each
+        position asks the gate, which fires with probability `fire`; d < m drafts end at a refused ask (whose head
+        and gate are paid too, and whose token goes deep at once), m drafts at the cap. `gain(d)`: the tokens d
+        drafts yield (default `expected_tokens(a, d)`); `leaves`: the alternatives each draft brings into an exit
+        tree."""
+        gain = gain or (lambda d: expected_tokens(a, d))
+        refused = self.consult_ms(i)
+        chains, tokens, ms = [], 0.0, 0.0  # the sums over the chains a refusal ends (d < m)
+        for m in range(1, budget + 1):
+            d, p = m - 1, fire ** (m - 1) * (1.0 - fire)
+            tokens += p * gain(d)
+            ms += p * (self.exit_cycle_ms(i, d, leaves * d) + refused)
+            capped = fire**m  # the chains that reach the cap
+            chains.append((tokens + capped * gain(m), ms + capped * self.exit_cycle_ms(i, m, leaves * m)))
+        return chains
+
     def _exit_plan(self, i: int, tracker: AcceptanceTracker, budget: int, branching: bool) -> Plan:
-        """Exit `i`'s best cycle: a chain of d drafts, or, where `branching` and it pays better, an exit tree whose
-        every draft brings k alternatives. With per-position acceptance `a` and `b` the chance that one of a
-        draft's alternatives is right once the draft is not, the k x d leaves add b x (1 - a^d) expected tokens
-        (the leaf, with the full model's token after it in place of the one it would have chosen there)."""
+        """Exit `i`'s best cycle: a gated chain of at most m drafts (`gated_chains`, at the estimates of firing and
+        acceptance), or, where `branching` and it pays better, an exit tree whose every draft brings k alternatives.
+        With acceptance `a` and `b` the chance that one of a draft's alternatives is right once the draft is not,
+        the k x d leaves of d drafts add b x (1 - a^d) expected tokens (the leaf, with the full model's token after
+        it in place of the one it would have chosen there)."""
         key: TierKey = ("exit", i)
-        a = tracker.estimate(key)
+        a, fire = tracker.estimate(key), tracker.estimate(("fire", i))
         k = self.exit_branches if branching else 0
-        d, rate = self.best_draft(a, lambda d: self.exit_cycle_ms(i, d), budget)
-        best = Plan("exit", d, tier=i, key=key, rate=rate, branches=k)  # a chain's alternatives are judged too
+        chains = self.gated_chains(i, fire, a, budget)
+        m, rate = self.best_length(lambda m: chains[m - 1][0], lambda m: chains[m - 1][1], budget)
+        best = Plan("exit", m, tier=i, key=key, rate=rate, branches=k)  # a chain's alternatives are judged too
         if k > 0:
             b = tracker.estimate(("exit branch", i))
-            d, rate = self.best_length(
-                lambda d: expected_tokens(a, d) + b * (1.0 - a**d),
-                lambda d: self.exit_cycle_ms(i, d, k * d),
-                min(budget, self.tree_nodes // (k + 1)),
-            )
+            reach = min(budget, self.tree_nodes // (k + 1))
+            trees = self.gated_chains(i, fire, a, reach, lambda d: expected_tokens(a, d) + b * (1.0 - a**d), k)
+            m, rate = self.best_length(lambda m: trees[m - 1][0], lambda m: trees[m - 1][1], reach)
             if rate > best.rate:
-                best = Plan("exit", d, tier=i, key=key, rate=rate, branches=k, exit_tree=True)
+                best = Plan("exit", m, tier=i, key=key, rate=rate, branches=k, exit_tree=True)
         return best
