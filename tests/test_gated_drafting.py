@@ -12,6 +12,8 @@ import torch
 
 from early_exit_router import EarlyExitRouter
 from early_exit_router.decode import drafting
+from early_exit_router.heads.draft import trimmed_top1
+from early_exit_router.heads.gates import head_features
 from early_exit_router.routing.costs import CostModel
 from early_exit_router.routing.ngram import NO_PROPOSAL
 from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, expected_tokens
@@ -141,7 +143,7 @@ def test_the_gate_reads_the_exits_running_agreement_not_its_drafts_acceptance():
     tracker.estimates[("agree", 0)], tracker.estimates[("exit", 0)] = 0.123, 0.987
     captured = {}
 
-    def gate_probability(gate, last, ngram_tokens, acceptance, logits=None):
+    def gate_probability(gate, last, ngram_tokens, acceptance, logits=None, trimmed=False):
         captured["acceptance"] = acceptance
         return torch.zeros(last.shape[0])
 
@@ -149,3 +151,33 @@ def test_the_gate_reads_the_exits_running_agreement_not_its_drafts_acceptance():
     dec = SimpleNamespace(exit_drafter=drafter, tracker=tracker, rows=[])
     drafting.gate_probability_at(dec, 0, object(), torch.zeros(1, 8))
     assert captured["acceptance"] == 0.123
+
+
+def test_a_trimmed_ask_picks_the_full_rows_top1_even_on_ties_and_reads_the_same_features():
+    token_ids = torch.tensor([7, 3, 11, 5, 13, 0])  # a trimmed head's ids, in frequency order (not id order)
+    trimmed = torch.tensor([[1.0, 2.0, 2.0, 0.5, 0, 0], [4.0, -1.0, 0.0, 4.0, 0, 0], [0.0, 0.0, 0.0, 9.0, 0, 0]])
+    full = torch.full((3, 16), float("-inf")).index_copy_(-1, token_ids, trimmed)
+    assert trimmed_top1(trimmed, token_ids).tolist() == full.argmax(dim=-1).tolist() == [3, 5, 5]
+    proposed = torch.tensor([3, -1, 5])
+    assert torch.equal(
+        head_features(trimmed, proposed, token_ids, trimmed=True), head_features(full, proposed, token_ids)
+    )
+
+
+@pytest.mark.parametrize("mode", ["exit", "verify"])
+def test_an_ask_decides_the_same_whether_or_not_the_caller_wants_the_logits(mode, monkeypatch):
+    """A greedy ask stays at the trimmed head's columns; a caller that asks for the logits gets full rows, and the
+    same decisions: the same tokens from the same exits."""
+    monkeypatch.setattr(DraftPolicy, "observe_ask", lambda self, i, ms: None)  # asks priced alike: no timing
+    config = {"high_conf_threshold": 0.05, "low_conf_threshold": 0.05, "draft_vocab_size": 32, "probe_interval": 2}
+    runs = []
+    for output_logits in (False, True):
+        model = tiny_llama(0)
+        router = _eager_router(model, **config)
+        router.heads.add_gates(32, head=True)
+        runs.append(router.generate(prompt(3, 8), max_new_tokens=30, mode=mode, output_logits=output_logits))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].stats.exit_histogram == runs[1].stats.exit_histogram
+    assert sum(v for k, v in runs[0].stats.exit_histogram.items() if 0 <= k < 5) > 0  # exits took part
+    if mode == "verify":
+        assert torch.equal(runs[0].sequences, tiny_llama(0).generate(prompt(3, 8), max_new_tokens=30, do_sample=False))

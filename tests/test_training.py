@@ -268,7 +268,7 @@ def test_a_rollback_forgets_the_gates_ngram_memo():
 
 def test_gate_features_replayed_offline_equal_those_the_decoder_computed_online():
     """Both go through `routing/gate_context.py`: every context feature a gate saw while decoding (the n-gram tier's
-    next copy, the exit's running acceptance) is what training's replay computes from the same text and the same
+    next copy, the exit's running top-1 agreement) is what training's replay computes from the same text and the same
     verdicts, from the same prior (the config's exit prior, not a constant of its own)."""
     from early_exit_router.decode import drafters, drafting
     from early_exit_router.routing import gate_context
@@ -281,16 +281,16 @@ def test_gate_features_replayed_offline_equal_those_the_decoder_computed_online(
     original_gate, original_features = drafting.gate_probability_at, gate_context.context_features
     original_observe = AcceptanceTracker.observe
 
-    def gate_at(dec, i, gate, last, logits=None):
+    def gate_at(dec, i, gate, last, *args):
         calls.append((i, len(dec.rows[0].tokens), len(verdicts.get(i, []))))
-        return original_gate(dec, i, gate, last, logits)
+        return original_gate(dec, i, gate, last, *args)
 
     def features(tokens, acceptance, device):
         seen.append((tokens[0], acceptance))
         return original_features(tokens, acceptance, device)
 
     def observe(self, key, accepted):
-        if key[0] == "exit":
+        if key[0] == "agree":  # at the exit's drafts and at the asks its gate refused
             verdicts.setdefault(key[1], []).append(bool(accepted))
         return original_observe(self, key, accepted)
 

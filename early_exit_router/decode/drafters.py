@@ -87,8 +87,11 @@ class ExitDrafter:
         """Exit `i`'s learned gate, when it has one in use."""
         return self.heads.gate(self.exits[i]) if self.config.use_gate else None
 
-    def logits(self, i: int, last: torch.Tensor, blocks: dict[int, BlockContext]) -> torch.Tensor:
-        """Exit `i`'s draft logits (b, vocab) for the current slot, whose exit states are `last` (b, hidden).
+    def logits(
+        self, i: int, last: torch.Tensor, blocks: dict[int, BlockContext], trimmed: bool = False
+    ) -> torch.Tensor:
+        """Exit `i`'s draft logits (b, vocab) for the current slot, whose exit states are `last` (b, hidden); with
+        `trimmed` (and a trimmed head: `can_trim`), the (b, K) logits over `draft_ids` alone.
 
         A block adapter first runs over its queued positions (the current one is the last of them)."""
         adapter = self.heads.adapter(self.exits[i])
@@ -96,7 +99,12 @@ class ExitDrafter:
             out = blocks[i].run(self.stack, adapter)  # the current position is always the last queued
             assert out is not None
             last, adapter = out[:, -1], getattr(adapter, "post", None)  # the block ran: only its post-norm map is left
-        return draft_logits(self.stack, adapter, self.draft, last)
+        return draft_logits(self.stack, adapter, self.draft, last, trimmed)
+
+    @property
+    def can_trim(self) -> bool:
+        """Whether asks may stay at the trimmed head's K columns (there is a trimmed head)."""
+        return self.draft is not None
 
     def gate_probability(
         self,
@@ -105,6 +113,7 @@ class ExitDrafter:
         ngram_tokens: list[int] | None,
         acceptance: float,
         logits: torch.Tensor | None = None,
+        trimmed: bool = False,
     ) -> torch.Tensor:
         """(b,) the gate's probability for exit states `last` (b, hidden). A gate that weighs the context gets
         `context_features` (the n-gram tier's next token per row, -1 for none; the exit's acceptance estimate); a
@@ -113,7 +122,7 @@ class ExitDrafter:
         if ngram_tokens is not None and (getattr(gate, "uses_context", False) or uses_head(gate)):
             context = context_features(ngram_tokens, acceptance, last.device)
             proposed = torch.tensor(ngram_tokens, device=last.device)
-        return gate_probability(gate, last, context, logits, proposed, self.draft).reshape(-1)
+        return gate_probability(gate, last, context, logits, proposed, self.draft, trimmed).reshape(-1)
 
     @staticmethod
     def needs_context(gate: Any) -> bool:

@@ -15,6 +15,7 @@ import torch
 from early_exit_router.decode.drafters import NGRAM_LAYER
 from early_exit_router.decode.emit import append, choose, embed
 from early_exit_router.decode.state import DecodeState, Draft, Row, VerifyCycle
+from early_exit_router.heads.draft import trimmed_top1
 from early_exit_router.heads.gates import uses_head
 from early_exit_router.routing.ngram import NO_PROPOSAL, ContextIndex, Proposal
 from early_exit_router.routing.policy import Plan, TierKey
@@ -91,20 +92,25 @@ def try_exit(
         dec.passes.routing_s += time.perf_counter() - t0
         if not allowed:
             return False
-    logits = dec.exit_drafter.logits(i, last, dec.fill.blocks)  # (b, vocab)
+    trimmed = asks_trimmed(dec)
+    logits = dec.exit_drafter.logits(i, last, dec.fill.blocks, trimmed)  # (b, vocab), trimmed (b, K)
     # Greedy: choose before deciding, so that one host sync fetches the decision and the tokens together.
     # Sampling: draw only once the tokens exit (each position's noise is its own, drawn when first needed).
     sampling = any(row.selector.params.do_sample for row in dec.rows)
-    tokens = None if sampling else choose(dec, q + 1, logits)
+    if trimmed:
+        tokens = trimmed_top1(logits, dec.exit_drafter.draft_ids)
+    else:
+        tokens = None if sampling else choose(dec, q + 1, logits)
     chosen: list[float] = []
     ranked: list[float] = []
     alternatives = alternatives if tokens is not None and len(dec.rows) == 1 else 0
     if target is None:
         t0 = time.perf_counter()
-        ok, confidence = exit_flags(dec, i, last, logits, with_gate=False, threshold=threshold)[1:]
+        ok, confidence = exit_flags(dec, i, last, logits, False, threshold, trimmed)[1:]
         signals = [ok.double(), confidence.double()] + ([] if tokens is None else list(tokens.double()))
         if alternatives:  # fetched in the same host sync
-            signals += list(logits[0].topk(alternatives + 1).indices.double())
+            ranks = logits[0].topk(alternatives + 1).indices
+            signals += list((dec.exit_drafter.draft_ids[ranks] if trimmed else ranks).double())
         ok, low, *chosen = torch.stack(signals).tolist()
         if alternatives:
             chosen, ranked = chosen[: -(alternatives + 1)], chosen[-(alternatives + 1) :]
@@ -130,8 +136,18 @@ def try_exit(
             sampled = not verified and row.selector.params.do_sample  # the noise it was drawn with, for the check
             noise = row.noise_at(len(row.new_tokens), logits.shape[-1]) if sampled else None
             row.drafts[q] = Draft(i, key or ("exit", i), others, noise)
-    append(dec, tokens, ids, dec.exits[i], logits)
+    append(dec, tokens, ids, dec.exits[i], None if trimmed else logits)
     return True
+
+
+def asks_trimmed(dec: DecodeState) -> bool:
+    """Whether an ask may stay at the trimmed draft head's K columns: every row greedy without logits processors or
+    a request for the logits, so that nothing needs the full-width row (the one fused ask: adapter, norm, trimmed
+    head, gate features and top-1 on K columns; building the -inf row and reading it back cost about as much as the
+    head itself)."""
+    return dec.exit_drafter.can_trim and not any(
+        row.selector.params.do_sample or row.selector.processors or row.request.output_logits for row in dec.rows
+    )
 
 
 def ask_in_chain(dec: DecodeState, plan: Plan, hidden: torch.Tensor, q: int) -> bool:
@@ -164,15 +180,23 @@ def worth_asking(dec: DecodeState, i: int, target: int | None) -> bool:
 
 
 def exit_flags(
-    dec: DecodeState, i: int, last: torch.Tensor, logits: torch.Tensor, with_gate: bool, threshold: float | None = None
+    dec: DecodeState,
+    i: int,
+    last: torch.Tensor,
+    logits: torch.Tensor,
+    with_gate: bool,
+    threshold: float | None = None,
+    trimmed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exit `i`'s cascade on its head's `logits` (b, vocab): (b,) flags, whether every unfinished row may leave, and
     the lowest confidence among them. A head gate's probability is the confidence; `with_gate` also folds in a gate
     that runs before the head (the decoder asks that one first, probes do not). `threshold`: a confidence that also
-    lets a row draft, below the exit rule's thresholds (verify mode's per-token break-even)."""
+    lets a row draft, below the exit rule's thresholds (verify mode's per-token break-even). `trimmed`: `logits` are
+    the trimmed head's K columns (`asks_trimmed`)."""
     gate = dec.exit_drafter.gate(i)
-    learned = gate_probability_at(dec, i, gate, last, logits) if uses_head(gate) else None
-    flags, confidence = dec.rule.head_signal(logits, dec.routing.threshold_shift, learned, dec.exit_drafter.draft_ids)
+    learned = gate_probability_at(dec, i, gate, last, logits, trimmed) if uses_head(gate) else None
+    columns = None if trimmed else dec.exit_drafter.draft_ids
+    flags, confidence = dec.rule.head_signal(logits, dec.routing.threshold_shift, learned, columns)
     if threshold is not None:  # the exit rule's bar still suffices: a user's thresholds keep their meaning
         flags = flags | (confidence >= threshold)
     if with_gate and gate is not None and learned is None:
@@ -186,11 +210,17 @@ def exit_flags(
 
 
 def gate_probability_at(
-    dec: DecodeState, i: int, gate: torch.nn.Module, last: torch.Tensor, logits: torch.Tensor | None = None
+    dec: DecodeState,
+    i: int,
+    gate: torch.nn.Module,
+    last: torch.Tensor,
+    logits: torch.Tensor | None = None,
+    trimmed: bool = False,
 ) -> torch.Tensor:
     """Exit `i`'s gate probability (b,) for the current slot, with the context features where it reads them."""
     tokens = [ngram_token(dec, row) for row in dec.rows] if dec.exit_drafter.needs_context(gate) else None
-    return dec.exit_drafter.gate_probability(gate, last, tokens, dec.tracker.estimate(("agree", i)), logits)
+    agreement = dec.tracker.estimate(("agree", i))
+    return dec.exit_drafter.gate_probability(gate, last, tokens, agreement, logits, trimmed)
 
 
 def _every_active(dec: DecodeState, flags: torch.Tensor) -> bool:
@@ -216,10 +246,12 @@ def probe_exits(dec: DecodeState, shadows: list[tuple[int, torch.Tensor]]) -> No
     for i, last in shadows:
         if i in dec.fill.blocks and dec.fill.blocks[i].end != dec.slots.length - 1:
             continue  # the probed position was rolled back: nothing to ask the block about
-        logits = dec.exit_drafter.logits(i, last, dec.fill.blocks)  # (b, vocab)
-        flags = exit_flags(dec, i, last, logits, with_gate=True, threshold=draft_threshold(dec, i))[0]
+        trimmed = asks_trimmed(dec)
+        logits = dec.exit_drafter.logits(i, last, dec.fill.blocks, trimmed)  # (b, vocab), trimmed (b, K)
+        flags = exit_flags(dec, i, last, logits, True, draft_threshold(dec, i), trimmed)[0]
+        top1 = trimmed_top1(logits, dec.exit_drafter.draft_ids) if trimmed else logits.argmax(dim=-1)
         probed.append(i)
-        signals.append(torch.stack([flags, logits.argmax(dim=-1) == chosen]))  # (2, b)
+        signals.append(torch.stack([flags, top1 == chosen]))  # (2, b)
     if signals:
         for i, (fired, agreed) in zip(probed, torch.stack(signals).tolist()):  # one host sync for every exit
             for fire, ok in zip(fired, agreed):

@@ -59,11 +59,25 @@ class DraftHead(nn.Module):
         return torch.nn.functional.linear(normed, self.weight, self.bias)
 
 
-def draft_logits(stack: Any, adapter: nn.Module | None, draft: DraftHead | None, hidden: torch.Tensor) -> torch.Tensor:
+def draft_logits(
+    stack: Any, adapter: nn.Module | None, draft: DraftHead | None, hidden: torch.Tensor, trimmed: bool = False
+) -> torch.Tensor:
     """An exit's draft logits `(..., vocab)`: the trimmed head's logits, -inf outside its token set (the full
     exit head when `draft` is None). Full-width rows keep logits processors, sampling and the speculative-sampling
-    rule unchanged: a draft distribution that is zero outside the set is still a valid q."""
-    return logits_from_normed(stack, draft, exit_normed(stack, adapter, hidden))
+    rule unchanged: a draft distribution that is zero outside the set is still a valid q. With `trimmed` (and a
+    draft head): its `(..., K)` logits over `draft.token_ids` alone, for a greedy ask that needs no full row."""
+    normed = exit_normed(stack, adapter, hidden)
+    if trimmed and draft is not None:
+        return stack.finish_logits(draft(normed))
+    return logits_from_normed(stack, draft, normed)
+
+
+def trimmed_top1(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """(..., K) trimmed logits over `token_ids` -> (...) the top-1 token id, the lowest id among equal maxima: the
+    token the argmax of the full-width row (-inf outside the set) picks."""
+    best = logits.max(dim=-1, keepdim=True).values
+    candidates = torch.where(logits == best, token_ids, torch.iinfo(token_ids.dtype).max)
+    return candidates.min(dim=-1).values
 
 
 def logits_from_normed(stack: Any, draft: DraftHead | None, normed: torch.Tensor) -> torch.Tensor:

@@ -21,14 +21,18 @@ HEAD_FEATURES = ("log_p1", "log_p2", "log_p3", "log_p4", "log_p5", "confidence",
 
 
 def head_features(
-    logits: torch.Tensor, ngram_token: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None
+    logits: torch.Tensor,
+    ngram_token: torch.Tensor | None = None,
+    draft_ids: torch.Tensor | None = None,
+    trimmed: bool = False,
 ) -> torch.Tensor:
     """(..., vocab) head logits [and (...) the n-gram tier's proposed token, -1 for none] -> (...,
     len(HEAD_FEATURES)) float32 features for a head gate.
 
     With `draft_ids` (a trimmed head's token ids, the only finite logits), the features are computed on those K
-    columns alone: the same values (the -inf columns have probability 0) at K / vocab of the cost."""
-    if draft_ids is not None:
+    columns alone: the same values (the -inf columns have probability 0) at K / vocab of the cost. `trimmed`: the
+    logits are those K columns already (..., K)."""
+    if draft_ids is not None and not trimmed:
         logits = logits.index_select(-1, draft_ids)  # (..., K)
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     top, top_ids = log_probs.topk(5, dim=-1)
@@ -113,14 +117,15 @@ def gate_probability(
     logits: torch.Tensor | None = None,
     ngram_token: torch.Tensor | None = None,
     draft: DraftHead | None = None,
+    trimmed: bool = False,
 ) -> torch.Tensor:
     """A gate's probability for `hidden`: context features go only to gates that use them, head features (from
     `logits`, drawn from `draft` when trimmed, and the n-gram tier's `ngram_token`) only to head gates (custom gates
-    take the hidden state alone)."""
+    take the hidden state alone). `trimmed`: `logits` are the draft head's K columns alone."""
     if uses_head(gate):
         if logits is None:
             raise ValueError("A head gate runs after the head: pass the head's logits.")
-        features = head_features(logits, ngram_token, None if draft is None else draft.token_ids)
+        features = head_features(logits, ngram_token, None if draft is None else draft.token_ids, trimmed)
         return gate(hidden, context if gate.uses_context else None, features)
     if getattr(gate, "uses_context", False):
         return gate(hidden, context)
