@@ -12,7 +12,13 @@ from early_exit_router import EarlyExitRouter
 from early_exit_router.training.config import TrainingConfig
 from early_exit_router.training.distill import distillation_loss, train_heads, warm_start
 from early_exit_router.training.gates import train_gates
-from early_exit_router.training.head_report import cascade, exit_signals, quality_table, suggest_high_threshold
+from early_exit_router.training.head_report import (
+    cascade,
+    exit_signals,
+    format_table,
+    quality_table,
+    suggest_high_threshold,
+)
 from early_exit_router.training.hidden_states import HiddenStateCache, build_cache, head_logits
 
 from .conftest import MIXED, VOCAB, prompt, tiny_llama, tiny_tokenizer
@@ -158,6 +164,12 @@ def test_quality_report_replays_the_cascade():
     # Untrained adapters are the logit lens: both agreement columns agree exactly.
     for row in rows:
         assert row.lens_agreement == row.trained_agreement
+        # the full model's token among the head's k highest: at least as often as at its top, more so as k grows
+        top = row.top_k_agreement
+        assert row.trained_agreement <= top[2] <= top[3] <= top[5] <= 1.0 and top[5] > row.trained_agreement
+    for sig in signals:  # the rank is 0 exactly where the head's top-1 is the full model's (no ties in float logits)
+        assert torch.equal(sig.teacher_rank == 0, sig.agree)
+    assert "top-2 / top-3 / top-5" in format_table("t", rows)
     assert 0 < sum(r.exit_share for r in rows) <= 1
     # The cascade lets a position leave once, at its first accepting exit.
     everything = cascade(signals, [torch.ones(len(cache), dtype=torch.bool)] * 2)

@@ -3,8 +3,9 @@
 Heads are evaluated as the engine drafts: through the trimmed draft head where the config has one. For every
 position the router's cascade is replayed offline: gate (when present and enabled; a head gate's P(agree) is the
 confidence instead), then the confidence/entropy rule, exit after exit. Reported per exit: top-1 agreement of the
-logit lens and of the trained head over all positions, the share of positions the cascade lets exit there, and the
-agreement among those.
+logit lens and of the trained head over all positions, the trained head's top-k agreement (the full model's token
+among its k highest: what an exit tree whose drafts keep k - 1 alternatives could find), the share of positions the
+cascade lets exit there, and the agreement among those.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class ExitSignals:
     gate_ok: torch.Tensor  # (N,) bool, all True without a gate
     confidence: torch.Tensor  # (N,) float
     entropy: torch.Tensor  # (N,) float, normalised or raw as configured
+    teacher_rank: torch.Tensor | None = None  # (N,) long: how many of the head's logits beat the full model's token
+
+
+TOP_K = (2, 3, 5)  # the top-k agreements the report gives beside top-1
 
 
 @dataclass
@@ -42,6 +47,7 @@ class ExitQuality:
     trained_agreement: float
     exit_share: float  # share of all positions the cascade lets exit here
     agreement_when_exiting: float | None
+    top_k_agreement: dict[int, float] | None = None  # k -> share of positions with the full model's token in the top k
 
 
 @torch.no_grad()
@@ -53,7 +59,7 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
     draft = router.heads.draft_head(stack, config.draft_vocab_size)  # the head the engine drafts from
     out, proposals = [], None  # the n-gram tier's replayed proposals depend on the text alone: computed once
     for layer in router.heads.exit_layers:
-        lens, agree, flags, gates, confs, ents = [], [], [], [], [], []
+        lens, agree, flags, gates, confs, ents, ranks = [], [], [], [], [], [], []
         gate = router.heads.gate(layer) if config.use_gate else None
         for s in range(0, len(cache), batch):
             h = cache.exits[layer][s : s + batch]
@@ -61,6 +67,8 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
             lens.append(head_logits(stack, None, h, draft=draft).argmax(-1).cpu() == t)
             logits = head_logits(stack, router.heads.adapter(layer), h, cache.chunk_len, draft)
             agree.append(logits.argmax(-1).cpu() == t)
+            at_teacher = logits.gather(-1, t.to(logits.device).unsqueeze(-1))  # (n, 1); -inf outside a trimmed head
+            ranks.append((logits > at_teacher).sum(-1).cpu())
             conf, ent = decide.confidence_entropy(logits)
             flags.append(decide.exit_rule(conf, ent).cpu())
             confs.append(conf.cpu())
@@ -95,6 +103,7 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
                 torch.cat(gates),
                 torch.cat(confs),
                 torch.cat(ents),
+                torch.cat(ranks),
             )
         )
     return out
@@ -122,9 +131,15 @@ def quality_table(signals: list[ExitSignals]) -> list[ExitQuality]:
             trained_agreement=float(sig.agree.float().mean()),
             exit_share=share,
             agreement_when_exiting=agreement,
+            top_k_agreement=None if sig.teacher_rank is None else top_k_agreement(sig.teacher_rank),
         )
         for sig, (_, share, agreement) in zip(signals, rows)
     ]
+
+
+def top_k_agreement(teacher_rank: torch.Tensor) -> dict[int, float]:
+    """k -> the share of positions whose full-model token is among the head's k highest logits (`TOP_K`)."""
+    return {k: float((teacher_rank < k).float().mean()) for k in TOP_K}
 
 
 def suggest_high_threshold(
@@ -152,13 +167,15 @@ def format_table(title: str, rows: list[ExitQuality]) -> str:
     lines = [
         f"### {title}",
         "",
-        "| exit layer | logit lens agreement | trained agreement | exits here (cascade) | agreement when exiting |",
-        "|---|---|---|---|---|",
+        "| exit layer | logit lens agreement | trained agreement | top-2 / top-3 / top-5 | exits here (cascade) "
+        "| agreement when exiting |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         when = "n/a" if r.agreement_when_exiting is None else f"{r.agreement_when_exiting:.3f}"
+        top = " / ".join(f"{r.top_k_agreement[k]:.3f}" for k in TOP_K) if r.top_k_agreement else "n/a"
         lines.append(
-            f"| {r.layer} | {r.lens_agreement:.3f} | {r.trained_agreement:.3f} | {r.exit_share:.3f} | {when} |"
+            f"| {r.layer} | {r.lens_agreement:.3f} | {r.trained_agreement:.3f} | {top} | {r.exit_share:.3f} | {when} |"
         )
     return "\n".join(lines)
 
