@@ -260,10 +260,14 @@ class DraftPolicy:
         """One cycle of `d` drafts from exit `i`: the drafts' shallow layers and heads, then the deep pass; with
         `leaves` alternatives (an exit tree), their own run through the shallow layers, and the deep pass over them
         too (unpadded, as a tree runs)."""
+        return self._cycle_without_asks(i, d, leaves) + d * self.consult_ms(i)  # each draft's ask
+
+    def _cycle_without_asks(self, i: int, d: int, leaves: int) -> float:
+        """`exit_cycle_ms` less the drafts' asks: fixed by the table, so worked out once per (exit, drafts, leaves)."""
         key = (i, d, leaves)
         if key not in self._exit_cycles:
             self._exit_cycles[key] = self._exit_cycle_ms(i, d, leaves)
-        return self._exit_cycles[key] + d * self.consult_ms(i)  # each draft's ask (a block adapter's layer in it)
+        return self._exit_cycles[key]
 
     def _exit_cycle_ms(self, i: int, d: int, leaves: int) -> float:
         c, e = self.costs, self.exit_layers[i]
@@ -362,14 +366,15 @@ class DraftPolicy:
         drafts yield (default `expected_tokens(a, d)`); `leaves`: the alternatives each draft brings into an exit
         tree."""
         gain = gain or (lambda d: expected_tokens(a, d))
-        refused = self.consult_ms(i)
+        ask = self.consult_ms(i)  # asked once per plan: each cycle's asks are d of them, and one more if refused
+        cycle = [self._cycle_without_asks(i, d, leaves * d) + d * ask for d in range(budget + 1)]
         chains, tokens, ms = [], 0.0, 0.0  # the sums over the chains a refusal ends (d < m)
         for m in range(1, budget + 1):
             d, p = m - 1, fire ** (m - 1) * (1.0 - fire)
             tokens += p * gain(d)
-            ms += p * (self.exit_cycle_ms(i, d, leaves * d) + refused)
+            ms += p * (cycle[d] + ask)
             capped = fire**m  # the chains that reach the cap
-            chains.append((tokens + capped * gain(m), ms + capped * self.exit_cycle_ms(i, m, leaves * m)))
+            chains.append((tokens + capped * gain(m), ms + capped * cycle[m]))
         return chains
 
     def _exit_plan(self, i: int, tracker: AcceptanceTracker, budget: int, branching: bool) -> Plan:
