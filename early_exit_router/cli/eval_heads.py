@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from early_exit_router.cli.options import add_router_options, check_out_file, read_prompts, router_overrides
 from early_exit_router.models.loading import DEFAULT_MODEL
@@ -43,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     if tok is None:
         raise ValueError("eval-heads needs the model's tokenizer.")
     with router.disabled() as model:
-        sources = {"development prompts (model answers)": self_generated(model, tok, prompts, args.answer_tokens)}
+        label = "development prompts" if args.prompts is None else Path(args.prompts).name  # what the answers answer
+        sources = {f"{label} (model answers)": self_generated(model, tok, prompts, args.answer_tokens)}
     for name, text in held_out_texts().items():
         sources[name] = [tok(text, add_special_tokens=False).input_ids[: args.max_tokens]]
     tables = {}
