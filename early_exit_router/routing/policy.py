@@ -233,10 +233,10 @@ class DraftPolicy:
         the margin (inf: never)."""
         return self._draft_break_even[i]
 
-    def draft_pays(self, i: int, tracker: AcceptanceTracker, budget: int | None = None) -> bool:
-        """Whether a gated chain from exit `i`, at its estimates of firing and acceptance, beats plain decoding by
-        the margin (drafting up to `budget` tokens, default `max_pending`)."""
-        return self._exit_plan(i, tracker, budget or self.max_draft, False).rate > self.plain_rate * (1.0 + self.margin)
+    def draft_pays(self, i: int, tracker: AcceptanceTracker) -> bool:
+        """Whether a gated chain from exit `i` (up to `max_pending` drafts), at its estimates of firing and
+        acceptance, beats plain decoding by the margin."""
+        return self._exit_plan(i, tracker, self.max_draft, False).rate > self.plain_rate * (1.0 + self.margin)
 
     def _acceptance_to_pay(self, i: int, max_draft: int) -> float:
         """`draft_break_even`, by bisection: the best draft's rate grows with the acceptance."""
@@ -271,12 +271,12 @@ class DraftPolicy:
 
     def _exit_cycle_ms(self, i: int, d: int, leaves: int) -> float:
         c, e = self.costs, self.exit_layers[i]
-        per_draft = shallow = c.layers(e + 1, 1)
+        shallow = (d + 1) * c.layers(e + 1, 1)  # each draft's and the token that goes deep
         rest = c.num_layers - e - 1
         if not leaves:
-            return d * per_draft + shallow + c.layers(rest, d + 1) + c.head(d + 1)
+            return shallow + c.layers(rest, d + 1) + c.head(d + 1)
         nodes = d + 1 + leaves
-        return d * per_draft + shallow + c.tree_layers(e + 1, leaves) + c.tree_layers(rest, nodes) + c.head(nodes)
+        return shallow + c.tree_layers(e + 1, leaves) + c.tree_layers(rest, nodes) + c.head(nodes)
 
     @staticmethod
     def best_length(

@@ -34,7 +34,7 @@ class ExitSignals:
     gate_ok: torch.Tensor  # (N,) bool, all True without a gate
     confidence: torch.Tensor  # (N,) float
     entropy: torch.Tensor  # (N,) float, normalised or raw as configured
-    teacher_rank: torch.Tensor | None = None  # (N,) long: how many of the head's logits beat the full model's token
+    teacher_rank: torch.Tensor  # (N,) long: how many of the head's logits beat the full model's token
 
 
 TOP_K = (2, 3, 5)  # the top-k agreements the report gives beside top-1
@@ -131,7 +131,7 @@ def quality_table(signals: list[ExitSignals]) -> list[ExitQuality]:
             trained_agreement=float(sig.agree.float().mean()),
             exit_share=share,
             agreement_when_exiting=agreement,
-            top_k_agreement=None if sig.teacher_rank is None else top_k_agreement(sig.teacher_rank),
+            top_k_agreement=top_k_agreement(sig.teacher_rank),
         )
         for sig, (_, share, agreement) in zip(signals, rows)
     ]
