@@ -128,6 +128,35 @@ def test_survey_fits_every_layer_and_leaves_the_router_heads_alone(adapter):
         assert r.draft_ms > 0 and 0 < r.break_even <= 1 and r.speedup > 0
     assert [r.draft_ms for r in rows] == sorted(r.draft_ms for r in rows)  # deeper drafts cost more
     assert all(torch.equal(v, router.heads.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(ValueError, match="--max-tokens"):  # one chunk: none to hold out
+        survey_exits(router, cache.select(torch.arange(64)), tiny_costs()["flat"], adapter=adapter, chunk_len=64)
+
+
+def test_survey_cli_fits_several_adapter_kinds_on_one_corpus_and_refuses_an_unknown_kind(tmp_path, capsys):
+    """`survey --adapter postnorm,residual_block`: one table per kind, the same layers, corpus and cost table."""
+    import json
+
+    from early_exit_router.cli import main
+
+    from .conftest import tiny_tokenizer
+
+    base = tmp_path / "base"
+    tiny_llama(0).save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    out = tmp_path / "survey.json"
+    args = ["survey", "--model", str(base), "--layers", "1,2", "--steps", "2", "--max-tokens", "1200", "--quiet"]
+    assert main(args + ["--adapter", "postnorm,residual_block", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.index("'postnorm' adapters") < printed.index("'residual_block' adapters")
+    report = json.loads(out.read_text())
+    assert [t["adapter"] for t in report["tables"]] == ["postnorm", "residual_block"]
+    assert [[r["layer"] for r in t["rows"]] for t in report["tables"]] == [[1, 2], [1, 2]]
+    assert report["costs"] and report["corpus"]
+    block, postnorm = report["tables"][1]["rows"], report["tables"][0]["rows"]
+    assert all(b["draft_ms"] > p["draft_ms"] for b, p in zip(block, postnorm))  # a block costs one more layer
+    with pytest.raises(SystemExit):
+        main(args + ["--adapter", "postnorm,bogus"])
+    assert "unknown adapter kind(s) ['bogus']" in capsys.readouterr().err
 
 
 def test_the_head_signal_reads_the_draft_columns_alone_and_skips_the_softmax_where_entropy_cannot_decide():

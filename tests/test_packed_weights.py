@@ -164,6 +164,7 @@ def test_float32_packs_serve_their_row_counts_to_float_rounding_and_others_take_
 def test_the_float32_kernel_is_the_faster_one_measured_once_per_process(monkeypatch):
     probed = []
     speeds = {("mkl", 8): 2.0, ("onednn", 8): 1.0, ("onednn", 1): 3.0, ("F.linear", 1): 2.0}
+    speeds |= {("onednn", 4): 1.0, ("F.linear", 4): 2.0, ("onednn", 2): 1.0, ("F.linear", 2): 2.0}
     rounds = packed_module.PROBE_ROUNDS
 
     def probe(kernel, rows=8, weights=None, packs=None):
@@ -178,15 +179,20 @@ def test_the_float32_kernel_is_the_faster_one_measured_once_per_process(monkeypa
 
     monkeypatch.setattr(packed_module, "_probe_ms", probe)
     monkeypatch.setattr(packed_module, "_probe_weights", lambda: [])  # nothing to pack: the probe is stubbed
-    assert choose() is packed_module.FLOAT32_ONEDNN  # slower than F.linear at one row: a plain step keeps F.linear
-    assert packed_module.kernel_for(torch.float32) is packed_module.FLOAT32_ONEDNN and len(probed) == 4 * rounds
+    # slower than F.linear at one row: a plain step keeps F.linear, 2 rows and more take oneDNN
+    assert choose() == dataclasses.replace(packed_module.FLOAT32_ONEDNN, min_rows=2)
+    assert packed_module.kernel_for(torch.float32).min_rows == 2 and len(probed) == 8 * rounds
     speeds[("onednn", 1)] = 1.0
-    assert choose() == dataclasses.replace(packed_module.FLOAT32_ONEDNN, min_rows=1)  # faster: it serves one row
+    assert choose().min_rows == 1  # faster: it serves one row
     speeds[("onednn", 1)] = 2.0
     assert choose().min_rows == 2  # a tie keeps F.linear: plain steps stay bitwise the model's own
+    speeds[("onednn", 2)] = 3.0  # slower at 2 rows (as on an Intel Xeon host): passes over 2-3 keep F.linear
+    assert choose().min_rows == 4 and ("onednn", 1) not in probed  # one row is not probed past a loss above it
+    speeds[("onednn", 4)] = 2.5
+    assert choose().min_rows == 8  # a pass's row count, which it was chosen for, whatever F.linear does below
     speeds[("mkl", 8)] = 0.5
     assert choose() is packed_module.FLOAT32 and probed == [("mkl", 8), ("onednn", 8)] * rounds  # alternating
-    speeds[("onednn", 1)] = 1.0
+    speeds[("onednn", 1)] = speeds[("onednn", 2)] = speeds[("onednn", 4)] = 1.0
     assert choose(lambda kernel: kernel.name == "onednn").min_rows == 1 and ("onednn", 8) not in probed  # one kernel
 
 

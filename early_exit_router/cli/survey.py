@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from early_exit_router.cli.options import add_load_options, check_out_file, int_list, load_options
+from early_exit_router.cli.options import add_load_options, check_out_file, int_list, load_options, str_list
 from early_exit_router.config import ADAPTER_KINDS
 from early_exit_router.models.loading import DEFAULT_MODEL
 
@@ -26,9 +26,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     survey.add_argument(
         "--adapter",
-        default="postnorm",
-        choices=list(ADAPTER_KINDS),
-        help="Adapter kind to fit (default: %(default)s).",
+        type=_adapter_kinds,
+        default=["postnorm"],
+        metavar="KIND[,KIND]",
+        help=f"Adapter kinds to fit, each at every layer, on one corpus and one cost table: any of "
+        f"{', '.join(ADAPTER_KINDS)} (default: postnorm).",
     )
     survey.add_argument("--steps", type=int, default=300, help="Optimiser steps per layer (default: %(default)s).")
     survey.add_argument("--max-tokens", type=int, default=40_000, help="Corpus tokens (default: %(default)s).")
@@ -36,6 +38,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     survey.add_argument("--json", default=None, help="Also write the rows to this JSON file.")
     survey.add_argument("--quiet", action="store_true", help="No progress bars.")
     add_load_options(survey)
+
+
+def _adapter_kinds(text: str) -> list[str]:
+    kinds = str_list(text)
+    unknown = [k for k in kinds if k not in ADAPTER_KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(
+            f"unknown adapter kind(s) {unknown or text!r}: give one or more of {', '.join(ADAPTER_KINDS)}, "
+            "comma-separated (e.g. postnorm,residual_block)"
+        )
+    return list(dict.fromkeys(kinds))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,14 +69,17 @@ def run(args: argparse.Namespace) -> int:
     costs = router.costs()
     sequences, manifest = corpus_sequences(router, args.max_tokens, progress=not args.quiet)
     cache = build_cache(stack, sorted(set(layers)), sequences, progress=not args.quiet)
-    rows = survey_exits(router, cache, costs, adapter=args.adapter, steps=args.steps, precision=args.precision)
-    title = (
-        f"{router.name_or_path}: '{args.adapter}' adapters, {args.steps} steps, {len(cache)} positions "
-        f"(20% of the chunks held out), draft vocabulary {router.config.draft_vocab_size}; plain step "
-        f"{costs.plain_step():.1f} ms"
-    )
-    print(format_survey(rows, args.precision, title))
+    tables = []
+    for kind in args.adapter:  # every kind on the same corpus, held-out chunks and cost table: comparable rows
+        rows = survey_exits(router, cache, costs, adapter=kind, steps=args.steps, precision=args.precision)
+        title = (
+            f"{router.name_or_path}: '{kind}' adapters, {args.steps} steps, {len(cache)} positions "
+            f"(20% of the chunks held out), draft vocabulary {router.config.draft_vocab_size}; plain step "
+            f"{costs.plain_step():.1f} ms"
+        )
+        print(format_survey(rows, args.precision, title) + "\n")
+        tables.append({"adapter": kind, "title": title, "rows": as_dicts(rows)})
     if args.json:
-        report = {"title": title, "corpus": manifest, "costs": costs.to_dict(), "rows": as_dicts(rows)}
+        report = {"corpus": manifest, "costs": costs.to_dict(), "tables": tables}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0

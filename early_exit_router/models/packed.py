@@ -10,10 +10,10 @@ once, ahead, runs faster. Measured on a 2-core x86_64 CPU (SmolLM2-135M's shapes
   oneDNN's kernel; only the reorder moves).
 - **float32**, whichever of two kernels is faster on the processor (measured once per process: `float32_kernel`, which
   gives the measurements): MKL's packed GEMM, a weight packed for one row count and serving only that one, or oneDNN's
-  reordered weights, one copy for every row count, which also serves a plain step's single row where that is measured
-  faster than `F.linear`; the engine pads a pass to the cheapest measured chunk length (`costs.py`). The products agree
-  with `F.linear` to float32 rounding, not bitwise, as a chunked forward already does with a one-position one (every
-  bench output stayed identical to greedy).
+  reordered weights, one copy for every row count, which serves the row counts from the fewest at which it is
+  measured faster than `F.linear` (a plain step's single row, on some processors); the engine pads a pass to the
+  cheapest measured chunk length (`costs.py`). The products agree with `F.linear` to float32 rounding, not bitwise,
+  as a chunked forward already does with a one-position one (every bench output stayed identical to greedy).
 
 So the stack keeps packed copies of the linear weights it runs (the decoder layers' and the LM head's: as much memory
 again as those weights per packed row count) and, for the length of one of its own calls, points those `nn.Linear`
@@ -108,11 +108,12 @@ FLOAT32_ONEDNN = PackedKernel(
     bitwise=False,
     pack=lambda weight, rows: torch.ops.mkldnn._reorder_linear_weight(weight, rows),
     product=_onednn_product,
-    min_rows=2,  # one row too where that is measured faster than F.linear (`float32_kernel`)
+    min_rows=2,  # `float32_kernel` sets it: from where it is measured faster than F.linear (`_fewest_rows`)
 )
 FLOAT32_KERNELS = (FLOAT32, FLOAT32_ONEDNN)
 PROBE_SHAPE, PROBE_COPIES, PROBE_ROWS = (4096, 1024), 4, 8  # 64 MiB of weights: streamed from memory, as in a pass
 PROBE_ROUNDS = 3  # alternating rounds per choice: a 2-core VM's load moves within one kernel's probe
+FEWER_ROWS = (1, 2, 4)  # row counts below PROBE_ROWS an any-rows kernel serves only where it beats F.linear there
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -153,22 +154,29 @@ def float32_kernel() -> PackedKernel | None:
     """The faster float32 kernel on this CPU, measured once per process at a pass's row count on weights streamed
     from memory (`_faster`): MKL's packed GEMM or oneDNN's reordered weights (on a 2-core AMD EPYC host oneDNN ran
     the 49,152 x 576 LM head at 8 rows in 3.9 ms, MKL in 14.6, F.linear in 21.2). One whose copy serves every row
-    count serves a plain step's single row too where faster than `F.linear` (there: the head 3.7 ms against 10.0)."""
+    count serves fewer rows only from where it is faster than `F.linear` (`_fewest_rows`): there one row too (the
+    head 3.7 ms against 10.0); on an Intel Xeon host, where its 2 rows took 1.2-2.0x F.linear's, 4 rows and up."""
     if not _FLOAT32_CHOICE:
         usable = [k for k in FLOAT32_KERNELS if _available(k)]
         weights = _probe_weights() if usable else []  # one set for every probe: generating it costs as much as one
         chosen = _faster(usable, PROBE_ROWS, weights) if len(usable) > 1 else next(iter(usable), None)
-        if chosen is not None and chosen.any_rows and chosen.min_rows > 1:
-            if _faster([None, chosen], 1, weights) is chosen:  # a tie keeps F.linear's bitwise plain steps
-                chosen = dataclasses.replace(chosen, min_rows=1)
+        if chosen is not None and chosen.any_rows:
+            chosen = dataclasses.replace(chosen, min_rows=_fewest_rows(chosen, weights))
         _FLOAT32_CHOICE.append(chosen)
         if chosen is not None:
-            logger.info(
-                "early-exit-router: float32 products from %s packed weights from %d row(s)",
-                chosen.name,
-                chosen.min_rows,
-            )
+            logger.info("early-exit-router: float32 products from %s weights, %d rows up", chosen.name, chosen.min_rows)
     return _FLOAT32_CHOICE[0]
+
+
+def _fewest_rows(kernel: PackedKernel, weights: list[torch.Tensor]) -> int:
+    """The fewest rows `kernel` (one copy for every row count) serves: the smallest of FEWER_ROWS from which on it
+    beats `F.linear` (a tie keeps F.linear, bitwise the model's own), else PROBE_ROWS, which it was chosen for."""
+    fewest = PROBE_ROWS
+    for rows in sorted(FEWER_ROWS, reverse=True):
+        if _faster([None, kernel], rows, weights) is not kernel:
+            break
+        fewest = rows
+    return fewest
 
 
 def _faster(kernels: Sequence[PackedKernel | None], rows: int, weights: list[torch.Tensor]) -> PackedKernel | None:
@@ -355,25 +363,13 @@ class PackedLinears:
         stacked = torch.cat([w.detach() for w in weights])  # (sum of out_features, in_features)
         bias = torch.cat([m.bias.detach() for m in members]) if members[0].bias is not None else None
         ends = list(itertools.accumulate(w.shape[0] for w in weights))
-        group = _Group(
-            members,
-            tuple(zip([0, *ends[:-1]], ends)),
-            {r: kernel.pack(stacked, r) for r in rows},
-            _stand_in(stacked),
-            bias,
-        )
-        return [
-            _Packed(
-                m,
-                kernel,
-                group.packed,
-                w._version,
-                w.data_ptr(),
-                _packed_forward(m, kernel, group.packed, self._owner, group, self._latest),
-                group,
-            )
-            for m, w in zip(members, weights)
-        ]
+        bounds = tuple(zip([0, *ends[:-1]], ends))
+        group = _Group(members, bounds, {r: kernel.pack(stacked, r) for r in rows}, _stand_in(stacked), bias)
+        entries = []
+        for m, w in zip(members, weights):
+            forward = _packed_forward(m, kernel, group.packed, self._owner, group, self._latest)
+            entries.append(_Packed(m, kernel, group.packed, w._version, w.data_ptr(), forward, group))
+        return entries
 
     @contextmanager
     def active(self, modules: Iterable[nn.Module]) -> Iterator[None]:

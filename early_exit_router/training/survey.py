@@ -83,6 +83,11 @@ def survey_exits(
     ids = draft.token_ids.cpu() if draft is not None else torch.arange(stack.vocab_size)
     weight = dense(stack.lm_head.weight.detach())[ids.to(stack.device)].float()  # (K, hidden): the trimmed head
     n_chunks = len(cache) // chunk_len
+    if n_chunks < 2:
+        raise ValueError(
+            f"The survey holds whole chunks of {chunk_len} positions out, and {len(cache)} cached positions make "
+            f"{n_chunks}: give it at least {2 * chunk_len} corpus tokens (--max-tokens)."
+        )
     order = torch.randperm(n_chunks, generator=torch.Generator().manual_seed(seed))
     n_hold = max(1, int(n_chunks * holdout_share))
     # (N,) positions: training chunks first, held-out chunks last
