@@ -203,7 +203,7 @@ def test_a_burst_of_load_in_one_probe_round_does_not_decide_the_float32_kernel(m
     monkeypatch.setattr(packed_module, "PROBE_ROUNDS", 3)
     monkeypatch.setattr(packed_module, "_probe_ms", lambda kernel, rows, weights, packs: times[kernel.name].pop(0))
     kernels = [packed_module.FLOAT32, packed_module.FLOAT32_ONEDNN]
-    assert packed_module._faster(kernels, 8, []) is packed_module.FLOAT32
+    assert packed_module._faster(kernels, 8, [], {"mkl": [], "onednn": []}) is packed_module.FLOAT32
     monkeypatch.undo()
     for kernel in [None, *packed_module.FLOAT32_KERNELS]:  # the real probe times a product from streamed weights
         if kernel is None or packed_module._available(kernel):

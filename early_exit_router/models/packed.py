@@ -159,33 +159,37 @@ def float32_kernel() -> PackedKernel | None:
     if not _FLOAT32_CHOICE:
         usable = [k for k in FLOAT32_KERNELS if _available(k)]
         weights = _probe_weights() if usable else []  # one set for every probe: generating it costs as much as one
-        chosen = _faster(usable, PROBE_ROWS, weights) if len(usable) > 1 else next(iter(usable), None)
+        packs = {k.name: [k.pack(w, PROBE_ROWS) for w in weights] for k in usable}
+        chosen = _faster(usable, PROBE_ROWS, weights, packs) if len(usable) > 1 else next(iter(usable), None)
         if chosen is not None and chosen.any_rows:
-            chosen = dataclasses.replace(chosen, min_rows=_fewest_rows(chosen, weights))
+            chosen = dataclasses.replace(chosen, min_rows=_fewest_rows(chosen, weights, packs))
         _FLOAT32_CHOICE.append(chosen)
         if chosen is not None:
             logger.info("early-exit-router: float32 products from %s weights, %d rows up", chosen.name, chosen.min_rows)
     return _FLOAT32_CHOICE[0]
 
 
-def _fewest_rows(kernel: PackedKernel, weights: list[torch.Tensor]) -> int:
+def _fewest_rows(kernel: PackedKernel, weights: list[torch.Tensor], packs: dict[str, list]) -> int:
     """The fewest rows `kernel` (one copy for every row count) serves: the smallest of FEWER_ROWS from which on it
     beats `F.linear` (a tie keeps F.linear, bitwise the model's own), else PROBE_ROWS, which it was chosen for."""
     fewest = PROBE_ROWS
     for rows in sorted(FEWER_ROWS, reverse=True):
-        if _faster([None, kernel], rows, weights) is not kernel:
+        if _faster([None, kernel], rows, weights, packs) is not kernel:
             break
         fewest = rows
     return fewest
 
 
-def _faster(kernels: Sequence[PackedKernel | None], rows: int, weights: list[torch.Tensor]) -> PackedKernel | None:
+def _faster(
+    kernels: Sequence[PackedKernel | None], rows: int, weights: list[torch.Tensor], packs: dict[str, list]
+) -> PackedKernel | None:
     """The kernel (None: `F.linear`) with the least median probe over PROBE_ROUNDS rounds, each of which times every
-    candidate once: a burst of load on a shared machine then slows them alike instead of deciding the choice."""
-    packs = [weights if k is None else [k.pack(w, PROBE_ROWS) for w in weights] for k in kernels]  # once each
+    candidate once: a burst of load on a shared machine then slows them alike instead of deciding the choice.
+    `packs`: `weights` packed for each kernel, by its name (packed once: 25-30 ms a kernel on the Intel host)."""
+    copies = [weights if k is None else packs[k.name] for k in kernels]
     times: list[list[float]] = [[] for _ in kernels]
     for _ in range(PROBE_ROUNDS):
-        for measured, kernel, packed in zip(times, kernels, packs):
+        for measured, kernel, packed in zip(times, kernels, copies):
             measured.append(_probe_ms(kernel, rows, weights, packed))
     return kernels[min(range(len(kernels)), key=lambda i: statistics.median(times[i]))]
 
