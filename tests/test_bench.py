@@ -483,3 +483,35 @@ def test_a_sampled_bench_gives_every_arm_the_same_seed_per_prompt():
         assert by_arm[("router verify (loaded config)", item["id"])] == routed.sequences[0, ids.shape[1] :].tolist()
     with pytest.raises(ValueError, match="temperature"):
         run_bench(router, PROMPTS[:1], BenchConfig(temperature=-1.0), progress=False)
+
+
+def test_other_heads_for_the_same_base_run_beside_the_loaded_ones_in_one_process(tmp_path, monkeypatch, capsys):
+    """`bench --compare-heads`: each other set of heads runs at its loaded config in every mode on its own copy of
+    the model, is metered on that copy, stays lossless in verify mode, and the report sets it against the loaded
+    heads; heads for another base, and a folder without heads, are refused with what to give."""
+    monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path / "cache"))
+    router, other = tiny_router(high_conf_threshold=0.07), tiny_router(high_conf_threshold=0.05)
+    cfg = BenchConfig(max_new_tokens=8, thresholds=(), fixed_cascade=False, assistant_early_exit=(), warmup=False)
+    cfg.prompt_lookup_num_tokens, cfg.repeats = 0, 1
+    result = run_bench(router, PROMPTS[:2], cfg, progress=False, others={"eager": other})
+
+    arms = {a.name: a for a in result.arms}
+    assert arms["router verify (heads eager)"].heads == arms["router exit (heads eager)"].heads == "eager"
+    by_arm = {(row["category"], row["arm"]): row for row in result.summary}
+    verify, exit_row = by_arm[("all", "router verify (heads eager)")], by_arm[("all", "router exit (heads eager)")]
+    assert verify["identical"] == verify["runs"] == 2 and verify["teacher_forced_agreement"] == 1.0
+    assert verify["compute_ratio"] is not None and exit_row["compute_ratio"] is not None  # metered on its own copy
+    assert exit_row["hit_rate"] > 0 and other.config.high_conf_threshold == 0.05
+    assert result.markdown().splitlines()[1] == f"heads eager: {other.describe()}"
+    section = result.markdown().split("### all")[1].splitlines()
+    for mode, row in (("verify", verify), ("exit", exit_row)):
+        loaded = by_arm[("all", f"router {mode} (loaded config)")]
+        line = next(x for x in section if x.startswith(f"Heads eager in {mode} mode: "))
+        assert f"{row['tokens_per_s']:.1f} against {loaded['tokens_per_s']:.1f} tok/s with the loaded heads" in line
+        assert ("exit draft cycles" in line) == (mode == "verify")
+
+    deeper = EarlyExitRouter.from_model(tiny_llama(0, layers=8), tiny_tokenizer(), **MIXED_CONFIG)
+    with pytest.raises(ValueError, match="compare heads trained for one base"):
+        run_bench(router, PROMPTS[:1], cfg, progress=False, others={"deeper": deeper})
+    args = ["bench", "--model", str(tmp_path / "none"), "--compare-heads", str(tmp_path), "--out", str(tmp_path / "o")]
+    assert main(args) == 2 and "not a saved router folder" in capsys.readouterr().err

@@ -10,7 +10,9 @@ rotates between prompts and repeats, so no arm always runs first). Arms:
 - the n-gram tier alone (exits off), so the exits must earn their place against it in the same run, and the fixed
   threshold cascade without the n-gram tier (how the router decoded before the cost policy);
 - HF assisted generation with `assistant_early_exit=E` (the model's own first E layers and its LM head draft);
-- HF prompt-lookup decoding (`prompt_lookup_num_tokens`).
+- HF prompt-lookup decoding (`prompt_lookup_num_tokens`);
+- other heads for the same base (`others`: heads in training against the shipped ones), each at its loaded config,
+  on its own copy of the model: heads compare by speed only in one process (one kernel choice, one cost table).
 
 Prompts that name a `sequence` are similar requests sent one after another through one router: each arm runs the
 sequence's calls in order, its n-gram store kept between them (every other run starts with an empty store), and the
@@ -31,7 +33,8 @@ import statistics
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,7 @@ class Arm:
     hf_kwargs: dict[str, Any] = field(default_factory=dict)  # extra HF generate arguments for plain arms
     family: str = ""  # plot series: arms of one family differ only in `threshold`
     threshold: float | None = None
+    heads: str = ""  # router arms: which heads run it, by label ("": the bench's router; else one of `others`)
 
 
 @dataclass
@@ -94,8 +98,9 @@ def threshold_overrides(threshold: float) -> dict[str, float | None]:
     return {"high_conf_threshold": threshold, "low_conf_threshold": threshold, "target_agreement": None}
 
 
-def build_arms(router: Any, cfg: BenchConfig) -> list[Arm]:
-    """The arms for `router` under `cfg`, the control first."""
+def build_arms(router: Any, cfg: BenchConfig, others: Sequence[str] = ()) -> list[Arm]:
+    """The arms for `router` under `cfg`, the control first; `others`: labels of other heads, each run at its
+    loaded config in every mode."""
     arms = [Arm(CONTROL, "plain", family="control")]
     if cfg.engine_control:
         no_drafts = {"active_exit_layers": [], "ngram_tier": False}  # the decode loop alone: every token plain
@@ -114,6 +119,9 @@ def build_arms(router: Any, cfg: BenchConfig) -> list[Arm]:
             name = f"router {mode}, fixed cascade, no n-gram"
             overrides = {"policy": "fixed", "ngram_tier": False}
             arms.append(Arm(name, "router", mode, overrides, family=f"router {mode}, fixed cascade"))
+        for label in others:
+            family = f"router {mode}, loaded config, heads {label}"
+            arms.append(Arm(f"router {mode} (heads {label})", "router", mode, family=family, heads=label))
     early_exits = cfg.assistant_early_exit
     if early_exits is None:
         early_exits = (router.exit_layers[-1] + 1,) if router.exit_layers else ()
@@ -233,12 +241,15 @@ def run_bench(
     cfg: BenchConfig | None = None,
     progress: bool = True,
     reference: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
+    others: Mapping[str, Any] | None = None,
 ) -> BenchResult:
     """Run every arm of `build_arms(router, cfg)` on every prompt (records: id, category, kind, prompt).
 
     `reference`: the same base model at a higher precision (fp32 beside a bf16 bench), or a function that loads it
     (called after the timed runs, so its memory stays out of theirs): every output is also scored by its
-    teacher-forced agreement with that model, the quality a lower-precision arm is held to."""
+    teacher-forced agreement with that model, the quality a lower-precision arm is held to.
+    `others`: label -> a router with other heads for the same base model (its own copy), each run at its loaded config
+    in every mode beside `router`'s arms."""
     from tqdm.auto import tqdm
 
     cfg = cfg or BenchConfig()
@@ -246,26 +257,34 @@ def run_bench(
         raise ValueError("No prompts to benchmark: give a JSONL file with id, category, kind and prompt fields.")
     if cfg.repeats < 1 or cfg.max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {cfg.repeats} and {cfg.max_new_tokens}.")
-    arms = build_arms(router, cfg)
+    others = dict(others or {})
+    base = (router.name_or_path, router.stack.num_layers, router.stack.dtype)
+    for label, other in others.items():
+        if (other.name_or_path, other.stack.num_layers, other.stack.dtype) != base:
+            raise ValueError(f"Heads {label!r} are for {other.name_or_path} ({other.stack.dtype}), not {base[0]} "
+                             f"({base[2]}): compare heads trained for one base, loaded in one dtype.")  # fmt: skip
+    arms = build_arms(router, cfg, list(others))
     if cfg.temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {cfg.temperature}.")
-    runner = _Runner(router, cfg.max_new_tokens, cfg.temperature)
+    runners = {label: _Runner(r, cfg.max_new_tokens, cfg.temperature) for label, r in {"": router, **others}.items()}
     encoded = [_encode(router, p) for p in prompts]
     units = request_units(prompts)
     records: list[RunRecord] = []
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # HF's assisted-generation notices and our monitor's warnings: noise here
     try:
-        with ComputeMeter(router.stack, router.heads) as meter:
+        with ExitStack() as stack:
+            meters = {k: stack.enter_context(ComputeMeter(r.router.stack, r.router.heads)) for k, r in runners.items()}
             if cfg.warmup:  # first-call allocations stay out of the numbers
                 for arm in arms:
-                    runner.run(arm, encoded[0][:, :8])
+                    runners[arm.heads].run(arm, encoded[0][:, :8])
             bar = tqdm(total=cfg.repeats * len(prompts) * len(arms), disable=not progress, desc="bench", unit="run")
             for repeat in range(cfg.repeats):
                 for u_idx, unit in enumerate(units):
                     shift = (u_idx + repeat) % len(arms)
                     for arm in arms[shift:] + arms[:shift]:
                         for call, p_idx in enumerate(unit):  # a sequence's calls in order, one arm at a time
+                            runner, meter = runners[arm.heads], meters[arm.heads]
                             records.append(_measure(runner, arm, prompts[p_idx], encoded[p_idx], repeat, meter, call))
                             bar.update(1)
             bar.close()
@@ -275,6 +294,7 @@ def run_bench(
         reference = reference()
     score_quality(router, prompts, encoded, records, reference, control_arm=CONTROL)
     meta = _meta(router, cfg, prompts)
+    meta["compared_heads"] = {label: other.describe() for label, other in others.items()}
     if router.config.policy == "cost" and router.config.ngram_tier:
         control = {r.prompt_id: (r.category, r.new_ids) for r in records if r.arm == CONTROL and r.repeat == 0}
         meta["copy_ceiling"] = copy_ceilings(prompts, encoded, control, units, router.costs(), router.config)

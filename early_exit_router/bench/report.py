@@ -25,6 +25,7 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
     """The summary as markdown: a header, then one table per category."""
     lines = [
         f"model: {meta['model']}",
+        *(f"heads {label}: {heads}" for label, heads in meta.get("compared_heads", {}).items()),
         f"machine: {meta['machine']}; {meta['dtype']}, weights {'+'.join(meta.get('weights', ['dense']))}; "
         f"torch {meta['torch']}, transformers {meta['transformers']}",
         f"{meta['prompts']} prompts, {meta['bench_config']['max_new_tokens']} new tokens max, "
@@ -76,6 +77,7 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines += _noise_band(rows, packed)
         lines += _exits_added(rows, num_layers)
+        lines += _heads_compared(rows, num_layers)
         ceiling = (meta.get("copy_ceiling") or {}).get(category)
         if ceiling is not None:
             lines += ["", _ceiling_line(ceiling, _engine_control(rows) if packed else None)]
@@ -116,6 +118,32 @@ def _exits_added(rows: list[dict[str, Any]], num_layers: int) -> list[str]:
             f"with the n-gram tier alone ({gain:+.1%}, {saved_ms:+.2f} ms saved per token); tokens from exit heads "
             f"{exited:.1%}" + (f", exit draft cycles {cycles}." if mode == "verify" else ".")
         )
+    return ["", *lines] if lines else []
+
+
+def _heads_compared(rows: list[dict[str, Any]], num_layers: int) -> list[str]:
+    """Per mode, each other set of heads (`bench --compare-heads`) against the loaded ones, from one run."""
+    lines = []
+    for mode in ("verify", "exit"):
+        loaded = next((r for r in rows if r.get("family") == f"router {mode}, loaded config"), None)
+        prefix = f"router {mode}, loaded config, heads "
+        for row in (r for r in rows if r.get("family", "").startswith(prefix)):
+            if loaded is None or not loaded["tokens_per_s"]:
+                continue
+            gain = row["tokens_per_s"] / loaded["tokens_per_s"] - 1
+            exited = [exit_head_tokens(r["exit_histogram"], num_layers) / max(1, r["tokens"]) for r in (row, loaded)]
+            line = (
+                f"Heads {row['family'][len(prefix) :]} in {mode} mode: {row['tokens_per_s']:.1f} against "
+                f"{loaded['tokens_per_s']:.1f} tok/s with the loaded heads ({gain:+.1%}); tokens from exit heads "
+                f"{exited[0]:.1%} against {exited[1]:.1%}"
+            )
+            if mode == "verify":
+                cycles = [exit_draft_cycles(r.get("policy_cycles")) for r in (row, loaded)]
+                line += f", exit draft cycles {cycles[0]} against {cycles[1]}"
+            else:
+                agreement = [r["teacher_forced_agreement"] for r in (row, loaded)]
+                line += f", teacher-forced agreement {agreement[0]:.3f} against {agreement[1]:.3f}"
+            lines.append(line + ".")
     return ["", *lines] if lines else []
 
 

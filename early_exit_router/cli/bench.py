@@ -78,6 +78,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="Sample every arm at this temperature (no top-k or top-p; one seed per prompt shared by the arms); "
         "0 decodes greedily (default).",
     )
+    bench.add_argument(
+        "--compare-heads",
+        type=str_list,
+        default=[],
+        metavar="DIR1,DIR2",
+        help="Saved router folders (or aliases) with other heads for the same base: each runs at its loaded config "
+        "in every mode, on its own copy of the model, beside the --model heads in this one process.",
+    )
     bench.add_argument("--out", default="bench-results", help="Folder for bench.json and bench.png.")
     add_load_options(bench)
     bench.add_argument("--quiet", action="store_true", help="No progress bar.")
@@ -92,8 +100,13 @@ def run(args: argparse.Namespace) -> int:
     # The files first: a mistake in them is reported before the model loads, not after.
     prompts = read_prompts(args.prompts, DEV_PROMPTS, ("id", "category", "kind", "prompt"))
     check_out_folder(args.out)
+    labels = _compared_heads(args.compare_heads)
     router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))
     print(router.describe(), file=sys.stderr)
+    others = {}
+    for label, source in labels.items():
+        others[label] = EarlyExitRouter.from_pretrained(source, **load_options(args), **router_overrides(args))
+        print(f"heads {label}: {others[label].describe()}", file=sys.stderr)
     cfg = BenchConfig(
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
@@ -112,12 +125,29 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     dtype = _reference_dtype(args, router)
     reference = None if dtype is None else lambda: _reference_model(args, router, dtype)
-    result = run_bench(router, prompts, cfg, progress=not args.quiet, reference=reference)
+    result = run_bench(router, prompts, cfg, progress=not args.quiet, reference=reference, others=others)
     print(result.markdown())
     result.write_json(out / "bench.json")
     result.plot(out / "bench.png")
     print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
     return 0
+
+
+def _compared_heads(sources: list[str]) -> dict[str, str]:
+    """--compare-heads as label -> source (the folder's name, or the alias), refused before any model loads where a
+    source holds no heads."""
+    from early_exit_router.heads.checkpoint import is_router_dir, shipped_checkpoint
+
+    labels: dict[str, str] = {}
+    for source in sources:
+        if not is_router_dir(source) and shipped_checkpoint(source) is None:
+            raise ValueError(
+                f"--compare-heads {source}: not a saved router folder (early_exit_config.json and its heads) nor an "
+                "alias with shipped heads: give what `train-heads --out` or `calibrate --out` wrote."
+            )
+        label = Path(source).name or source
+        labels[label if label not in labels else f"{label}#{len(labels) + 1}"] = source
+    return labels
 
 
 def _reference_dtype(args: argparse.Namespace, router: Any) -> str | None:
