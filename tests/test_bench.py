@@ -21,7 +21,7 @@ from early_exit_router.training.calibrate import (
     speed_ties,
 )
 
-from .conftest import tiny_llama, tiny_tokenizer
+from .conftest import tiny_costs, tiny_llama, tiny_tokenizer
 
 PROMPTS = [
     {"id": "t1", "category": "templated", "kind": "text", "prompt": "w5 w6 w7 w5 w6 w7 w5 w6"},
@@ -309,7 +309,7 @@ def test_cli_profile_prints_the_cost_table_and_each_exits_break_even(tiny_folder
 
 
 def test_a_sequence_of_requests_keeps_the_store_between_its_calls_and_reports_the_first_call_apart(monkeypatch):
-    from early_exit_router.bench.bench import request_units
+    from early_exit_router.bench.prompts import request_units
 
     sequence = [
         {"id": f"s{k}", "category": "repeated", "kind": "text", "prompt": f"w5 w6 w{7 + k}", "sequence": "s"}
@@ -487,13 +487,23 @@ def test_a_sampled_bench_gives_every_arm_the_same_seed_per_prompt():
 
 def test_other_heads_for_the_same_base_run_beside_the_loaded_ones_in_one_process(tmp_path, monkeypatch, capsys):
     """`bench --compare-heads`: each other set of heads runs at its loaded config in every mode on its own copy of
-    the model, is metered on that copy, stays lossless in verify mode, and the report sets it against the loaded
-    heads; heads for another base, and a folder without heads, are refused with what to give."""
+    the model, under the bench router's cost table, is metered on that copy, stays lossless in verify mode, and the
+    report sets it against the loaded heads; heads for another base, and a folder without heads, are refused with
+    what to give."""
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path / "cache"))
     router, other = tiny_router(high_conf_threshold=0.07), tiny_router(high_conf_threshold=0.05)
     cfg = BenchConfig(max_new_tokens=8, thresholds=(), fixed_cascade=False, assistant_early_exit=(), warmup=False)
     cfg.prompt_lookup_num_tokens, cfg.repeats = 0, 1
+    router.cost_model = tiny_costs()["flat"]  # one table, fixed, whatever the tiny model's timings say
+    tables, generate = [], other.generate  # every run of the other heads decides from the bench router's table
+
+    def spy(*args, **kwargs):
+        tables.append(other.cost_model is router.costs())
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(other, "generate", spy)
     result = run_bench(router, PROMPTS[:2], cfg, progress=False, others={"eager": other})
+    assert len(tables) == 4 and all(tables) and other.cost_model is None  # 2 prompts per mode; then given back
 
     arms = {a.name: a for a in result.arms}
     assert arms["router verify (heads eager)"].heads == arms["router exit (heads eager)"].heads == "eager"
@@ -510,8 +520,9 @@ def test_other_heads_for_the_same_base_run_beside_the_loaded_ones_in_one_process
         assert f"{row['tokens_per_s']:.1f} against {loaded['tokens_per_s']:.1f} tok/s with the loaded heads" in line
         assert ("exit draft cycles" in line) == (mode == "verify")
 
-    deeper = EarlyExitRouter.from_model(tiny_llama(0, layers=8), tiny_tokenizer(), **MIXED_CONFIG)
-    with pytest.raises(ValueError, match="compare heads trained for one base"):
-        run_bench(router, PROMPTS[:1], cfg, progress=False, others={"deeper": deeper})
+    for base in (tiny_llama(0, layers=8), tiny_llama(1)):  # another depth; the same shape with other weights
+        wrong = EarlyExitRouter.from_model(base, tiny_tokenizer(), **MIXED_CONFIG)
+        with pytest.raises(ValueError, match="compare heads trained for one base model"):
+            run_bench(router, PROMPTS[:1], cfg, progress=False, others={"wrong": wrong})
     args = ["bench", "--model", str(tmp_path / "none"), "--compare-heads", str(tmp_path), "--out", str(tmp_path / "o")]
     assert main(args) == 2 and "not a saved router folder" in capsys.readouterr().err

@@ -44,9 +44,11 @@ from transformers.utils import logging as hf_logging
 
 from early_exit_router.bench.compute import ComputeMeter
 from early_exit_router.bench.copy_ceiling import copy_ceilings
+from early_exit_router.bench.prompts import encode_record, request_units
 from early_exit_router.bench.quality import score_quality
 from early_exit_router.bench.report import format_markdown, plot_tradeoff
 from early_exit_router.bench.timing import ArrivalStreamer, latencies, peak_memory_mb, reset_peak_memory
+from early_exit_router.heads.checkpoint import base_identity
 from early_exit_router.routing.costs import cpu_model
 
 CONTROL = "plain HF generate"
@@ -158,11 +160,20 @@ class RunRecord:
 class _Runner:
     """Runs one arm on one prompt, leaving the router's config as it found it."""
 
-    def __init__(self, router: Any, max_new_tokens: int, temperature: float = 0.0) -> None:
+    def __init__(self, router: Any, max_new_tokens: int, temperature: float = 0.0, costs_from: Any = None) -> None:
         self.router = router
+        self.costs_from = costs_from  # compared heads decide from the bench router's cost table: one table per run
         self.max_new_tokens = max_new_tokens
         self.device = router.stack.device
         self.temperature = temperature
+
+    def costs(self) -> None:
+        """The cost table now (measured, loaded, or measured again where stale), outside every arm's time; heads
+        compared with the bench router's take its table (their own `cost_model`, which the bench restores)."""
+        if self.costs_from is None:
+            self.router.costs()
+        else:
+            self.router.cost_model = self.costs_from.costs()
 
     def run(
         self, arm: Arm, ids: torch.Tensor, keep_store: bool = False, seed: int = 0
@@ -173,6 +184,8 @@ class _Runner:
         sampling = {"do_sample": False}  # greedy whatever the model's generation config says
         if self.temperature > 0:
             sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
+        if self.costs_from is not None and arm.kind == "router":
+            self.costs()  # before the clock starts, and before the warm-up runs too (which `_measure` does not see)
         streamer = ArrivalStreamer()
         start = time.perf_counter()
         if arm.kind == "router":
@@ -258,16 +271,17 @@ def run_bench(
     if cfg.repeats < 1 or cfg.max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {cfg.repeats} and {cfg.max_new_tokens}.")
     others = dict(others or {})
-    base = (router.name_or_path, router.stack.num_layers, router.stack.dtype)
-    for label, other in others.items():
-        if (other.name_or_path, other.stack.num_layers, other.stack.dtype) != base:
-            raise ValueError(f"Heads {label!r} are for {other.name_or_path} ({other.stack.dtype}), not {base[0]} "
-                             f"({base[2]}): compare heads trained for one base, loaded in one dtype.")  # fmt: skip
+    for label, other in others.items():  # one base (its LM head and final norm, checked numerically) in one dtype
+        if (base_identity(other.stack, ""), other.stack.dtype) != (base_identity(router.stack, ""), router.stack.dtype):
+            raise ValueError(f"Heads {label!r} run on {other.name_or_path} in {other.stack.dtype}, not on the base and "
+                             "dtype of --model: compare heads trained for one base model, in one dtype.")  # fmt: skip
     arms = build_arms(router, cfg, list(others))
     if cfg.temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {cfg.temperature}.")
-    runners = {label: _Runner(r, cfg.max_new_tokens, cfg.temperature) for label, r in {"": router, **others}.items()}
-    encoded = [_encode(router, p) for p in prompts]
+    runners = {"": _Runner(router, cfg.max_new_tokens, cfg.temperature)}
+    runners |= {label: _Runner(o, cfg.max_new_tokens, cfg.temperature, router) for label, o in others.items()}
+    assigned = {label: other.cost_model for label, other in others.items()}
+    encoded = [encode_record(router, p) for p in prompts]
     units = request_units(prompts)
     records: list[RunRecord] = []
     verbosity = hf_logging.get_verbosity()
@@ -290,6 +304,8 @@ def run_bench(
             bar.close()
     finally:
         hf_logging.set_verbosity(verbosity)
+        for label, other in others.items():
+            other.cost_model = assigned[label]
     if reference is not None and not isinstance(reference, torch.nn.Module):
         reference = reference()
     score_quality(router, prompts, encoded, records, reference, control_arm=CONTROL)
@@ -303,34 +319,6 @@ def run_bench(
     return BenchResult(meta, arms, records, summarize(records, arms))
 
 
-def request_units(prompts: Sequence[dict[str, Any]]) -> list[list[int]]:
-    """The prompts' indices as the bench runs them: a lone prompt alone, and the prompts that name one `sequence`
-    together, in file order (similar requests through one router, in the order a client sends them)."""
-    units: list[list[int]] = []
-    sequences: dict[str, list[int]] = {}
-    for k, item in enumerate(prompts):
-        name = item.get("sequence")
-        if name is None:
-            units.append([k])
-        elif name in sequences:
-            sequences[name].append(k)
-        else:
-            sequences[name] = [k]
-            units.append(sequences[name])
-    return units
-
-
-def _encode(router: Any, item: dict[str, Any]) -> torch.Tensor:
-    for key in ("id", "category", "kind", "prompt"):
-        if key not in item:
-            raise ValueError(f"Prompt record {item!r} lacks the field {key!r} (needed: id, category, kind, prompt).")
-    if item["kind"] not in ("text", "chat"):
-        raise ValueError(f"Prompt {item['id']!r}: kind must be 'text' or 'chat', got {item['kind']!r}.")
-    if not isinstance(item.get("sequence", ""), str):
-        raise ValueError(f"Prompt {item['id']!r}: sequence must name the sequence of requests it belongs to.")
-    return router.encode(item["prompt"], chat=item["kind"] == "chat")
-
-
 def _measure(
     runner: _Runner, arm: Arm, item: dict, ids: torch.Tensor, repeat: int, meter: ComputeMeter, call: int = 0
 ) -> RunRecord:
@@ -338,7 +326,7 @@ def _measure(
     if arm.kind == "router" and runner.router.config.policy == "cost":
         # The cost table is measured (or loaded) here, outside every arm's time and compute, not inside a router run:
         # before the first, and again when the timed steps no longer fit it (the machine's load changed).
-        runner.router.costs()
+        runner.costs()
     reset_peak_memory(runner.device)
     meter.reset()
     seed = zlib.crc32(f"{item['id']}:{repeat}".encode())  # the same for every arm
