@@ -167,9 +167,13 @@ class _Runner:
         self.device = router.stack.device
         self.temperature = temperature
 
-    def costs(self) -> None:
-        """The cost table now (measured, loaded, or measured again where stale), outside every arm's time; heads
-        compared with the bench router's take its table (their own `cost_model`, which the bench restores)."""
+    def prepare(self, arm: Arm) -> None:
+        """Before a run, outside its time and compute: under the cost policy the cost table is measured (or loaded)
+        here, not inside a router run (before the first, and again when the timed steps no longer fit it: the
+        machine's load changed); heads compared with the bench router's take its table (their own `cost_model`,
+        which the bench restores)."""
+        if arm.kind != "router" or self.router.config.policy != "cost":
+            return
         if self.costs_from is None:
             self.router.costs()
         else:
@@ -184,8 +188,6 @@ class _Runner:
         sampling = {"do_sample": False}  # greedy whatever the model's generation config says
         if self.temperature > 0:
             sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
-        if self.costs_from is not None and arm.kind == "router":
-            self.costs()  # before the clock starts, and before the warm-up runs too (which `_measure` does not see)
         streamer = ArrivalStreamer()
         start = time.perf_counter()
         if arm.kind == "router":
@@ -271,8 +273,9 @@ def run_bench(
     if cfg.repeats < 1 or cfg.max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {cfg.repeats} and {cfg.max_new_tokens}.")
     others = dict(others or {})
+    base = (base_identity(router.stack, ""), router.stack.dtype) if others else None
     for label, other in others.items():  # one base (its LM head and final norm, checked numerically) in one dtype
-        if (base_identity(other.stack, ""), other.stack.dtype) != (base_identity(router.stack, ""), router.stack.dtype):
+        if (base_identity(other.stack, ""), other.stack.dtype) != base:
             raise ValueError(f"Heads {label!r} run on {other.name_or_path} in {other.stack.dtype}, not on the base and "
                              "dtype of --model: compare heads trained for one base model, in one dtype.")  # fmt: skip
     arms = build_arms(router, cfg, list(others))
@@ -291,6 +294,7 @@ def run_bench(
             meters = {k: stack.enter_context(ComputeMeter(r.router.stack, r.router.heads)) for k, r in runners.items()}
             if cfg.warmup:  # first-call allocations stay out of the numbers
                 for arm in arms:
+                    runners[arm.heads].prepare(arm)
                     runners[arm.heads].run(arm, encoded[0][:, :8])
             bar = tqdm(total=cfg.repeats * len(prompts) * len(arms), disable=not progress, desc="bench", unit="run")
             for repeat in range(cfg.repeats):
@@ -323,10 +327,7 @@ def _measure(
     runner: _Runner, arm: Arm, item: dict, ids: torch.Tensor, repeat: int, meter: ComputeMeter, call: int = 0
 ) -> RunRecord:
     """One run; `call` > 0: a later call of a sequence (the router keeps its n-gram store from the earlier ones)."""
-    if arm.kind == "router" and runner.router.config.policy == "cost":
-        # The cost table is measured (or loaded) here, outside every arm's time and compute, not inside a router run:
-        # before the first, and again when the timed steps no longer fit it (the machine's load changed).
-        runner.costs()
+    runner.prepare(arm)
     reset_peak_memory(runner.device)
     meter.reset()
     seed = zlib.crc32(f"{item['id']}:{repeat}".encode())  # the same for every arm
