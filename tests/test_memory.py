@@ -28,9 +28,9 @@ def test_the_budget_matches_what_a_generation_holds(context):
 
 
 def test_prepacked_copies_count_in_the_budget(monkeypatch):
-    from early_exit_router.models import packed
+    from early_exit_router.models import kernels, packed
 
-    if packed.packing_supported(torch.device("cpu"), torch.float32) is not None:
+    if kernels.packing_supported(torch.device("cpu"), torch.float32) is not None:
         pytest.skip("this torch build has no MKL packed GEMM")
     monkeypatch.setitem(packed.MIN_ELEMENTS, torch.float32, 0)  # pack the tiny model's weights
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
@@ -42,13 +42,13 @@ def test_prepacked_copies_count_in_the_budget(monkeypatch):
 
 
 def test_a_block_adapters_packed_layer_counts_in_the_budget(monkeypatch):
-    from early_exit_router.models import packed
+    from early_exit_router.models import kernels, packed
 
-    if packed.packing_supported(torch.device("cpu"), torch.float32) is not None:
+    if kernels.packing_supported(torch.device("cpu"), torch.float32) is not None:
         pytest.skip("this torch build has no float32 packed product")
     monkeypatch.setitem(packed.MIN_ELEMENTS, torch.float32, 0)
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], exit_adapters={"1": "block"})
     block = router.heads.adapter(1).block
     layer_bytes = sum(m.weight.nbytes for m in block.modules() if isinstance(m, torch.nn.Linear))
-    copies = len(packed.float32_kernel().layer_rows)
+    copies = len(kernels.float32_kernel().layer_rows)
     assert memory_budget(router, 16).packed_weights == router.stack.packed_weights.nbytes + layer_bytes * copies

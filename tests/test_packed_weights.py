@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.models import kernels as kernels_module
 from early_exit_router.models import packed as packed_module
-from early_exit_router.models.packed import PackedLinears, packing_supported
+from early_exit_router.models.kernels import packing_supported
+from early_exit_router.models.packed import PackedLinears
 
 from .conftest import assert_cache_matches_full_forward, tiny_llama, tiny_tokenizer
 
@@ -96,9 +98,9 @@ def test_a_model_cast_to_float32_stops_packing_and_unpatch_frees_the_copies():
 
 
 FLOAT32_VARIANTS = {
-    "mkl": packed_module.FLOAT32,
-    "onednn": packed_module.FLOAT32_ONEDNN,
-    "onednn from one row": dataclasses.replace(packed_module.FLOAT32_ONEDNN, min_rows=1),  # where measured faster
+    "mkl": kernels_module.FLOAT32,
+    "onednn": kernels_module.FLOAT32_ONEDNN,
+    "onednn from one row": dataclasses.replace(kernels_module.FLOAT32_ONEDNN, min_rows=1),  # where measured faster
 }
 
 
@@ -107,7 +109,7 @@ def fp32_kernel(monkeypatch, request):
     """Each float32 kernel in turn, packing even tiny weights (the size bound lowered), and a list that counts its
     packed products (the row count each was packed for)."""
     kernel = FLOAT32_VARIANTS[request.param]
-    if not packed_module._available(kernel):
+    if not kernels_module._available(kernel):
         pytest.skip(f"this torch build has no {kernel.name} packed product")
     monkeypatch.setitem(packed_module.MIN_ELEMENTS, torch.float32, 0)
     calls = []
@@ -116,7 +118,7 @@ def fp32_kernel(monkeypatch, request):
         calls.append(rows)
         return kernel.product(x, packed, weight, bias, rows)
 
-    monkeypatch.setattr(packed_module, "float32_kernel", lambda: dataclasses.replace(kernel, product=counted))
+    monkeypatch.setattr(kernels_module, "float32_kernel", lambda: dataclasses.replace(kernel, product=counted))
     return calls
 
 
@@ -132,14 +134,17 @@ def test_float32_packs_serve_their_row_counts_to_float_rounding_and_others_take_
     router, calls = fp32_packed
     stack, model = router.stack, router.model
     packed = stack.packed_weights
-    kernel = packed_module.float32_kernel()
+    kernel = kernels_module.float32_kernel()
     assert len(packed) == sum(isinstance(m, nn.Linear) for m in model.modules())
     assert packed.groups == 2 * stack.num_layers
     layers = sum(m.weight.nbytes for m in stack.layers.modules() if isinstance(m, nn.Linear))
     assert packed.nbytes == layers * len(kernel.layer_rows) + stack.lm_head.weight.nbytes * len(kernel.head_rows)
     assert packed.serves(1) == (kernel.any_rows and kernel.min_rows == 1)  # else plain steps stay bitwise HF
+    spans = {("mkl", 2): "2-16 rows", ("onednn", 2): "2+ rows", ("onednn", 1): "1+ rows"}
+    assert packed.served_rows == spans[kernel.name, kernel.min_rows]  # as the model's description says it
+    assert f"products over {packed.served_rows}" in router.heads.describe("m", stack, router.config, 0.0)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    for rows in (1, 5, 8, 16):
+    for rows in (1, 5, 8, 16, 20):
         ids = torch.arange(3, 3 + rows).unsqueeze(0)
         with torch.no_grad():
             hidden = stack.embed(ids)
@@ -148,8 +153,9 @@ def test_float32_packs_serve_their_row_counts_to_float_rounding_and_others_take_
             got = stack.logits(stack.run(hidden, 0, stack.num_layers, stack.new_cache(), positions))
             served = packed.serves(rows)
             assert bool(calls) == served, rows
-            if not kernel.any_rows:  # MKL: layers at 8 rows, the head at 8 and 16, nothing else
-                assert set(calls) == {rows} & {8, 16} and served == (rows in (8, 16))
+            assert set(calls) <= {rows}  # each product is told the rows it multiplies, not the count packed for
+            # one copy serves its kernel's span of row counts (MKL's: 2 to 16; a prefill past it takes F.linear)
+            assert served == (kernel.min_rows <= rows <= (kernel.max_rows or rows))
             stack.use_packed_weights(False)
             want = stack.logits(stack.run(hidden, 0, stack.num_layers, stack.new_cache(), positions))
             stack.use_packed_weights(True)
@@ -163,35 +169,38 @@ def test_float32_packs_serve_their_row_counts_to_float_rounding_and_others_take_
 
 def test_the_float32_kernel_is_the_faster_one_measured_once_per_process(monkeypatch):
     probed = []
-    speeds = {("mkl", 8): 2.0, ("onednn", 8): 1.0, ("onednn", 1): 3.0, ("F.linear", 1): 2.0}
-    speeds |= {("onednn", 4): 1.0, ("F.linear", 4): 2.0, ("onednn", 2): 1.0, ("F.linear", 2): 2.0}
-    rounds = packed_module.PROBE_ROUNDS
+    speeds = {("mkl", r): 2.0 for r in (1, 2, 4, 8)} | {("onednn", r): 1.0 for r in (2, 4, 8)}
+    speeds |= {("onednn", 1): 3.0} | {("F.linear", r): 2.0 for r in (1, 2, 4)}
+    rounds = kernels_module.PROBE_ROUNDS
+    compared = [(name, r) for name in ("mkl", "onednn") for r in kernels_module.CHOICE_ROWS]
 
     def probe(kernel, rows=8, weights=None, packs=None):
         probed.append((kernel.name if kernel else "F.linear", rows))
         return speeds[probed[-1]]
 
     def choose(available=lambda kernel: True):
-        monkeypatch.setattr(packed_module, "_available", available)
-        monkeypatch.setattr(packed_module, "_FLOAT32_CHOICE", [])
+        monkeypatch.setattr(kernels_module, "_available", available)
+        monkeypatch.setattr(kernels_module, "_FLOAT32_CHOICE", [])
         probed.clear()
-        return packed_module.float32_kernel()
+        return kernels_module.float32_kernel()
 
-    monkeypatch.setattr(packed_module, "_probe_ms", probe)
-    monkeypatch.setattr(packed_module, "_probe_weights", lambda: [])  # nothing to pack: the probe is stubbed
+    monkeypatch.setattr(kernels_module, "_probe_ms", probe)
+    monkeypatch.setattr(kernels_module, "_probe_weights", lambda: [])  # nothing to pack: the probe is stubbed
     # slower than F.linear at one row: a plain step keeps F.linear, 2 rows and more take oneDNN
-    assert choose() == dataclasses.replace(packed_module.FLOAT32_ONEDNN, min_rows=2)
-    assert packed_module.kernel_for(torch.float32).min_rows == 2 and len(probed) == 8 * rounds
+    assert choose() == dataclasses.replace(kernels_module.FLOAT32_ONEDNN, min_rows=2)
+    assert probed[: 6 * rounds] == compared * rounds  # both kernels at a pass's row counts, round after round
+    assert kernels_module.kernel_for(torch.float32).min_rows == 2 and len(probed) == 12 * rounds
     speeds[("onednn", 1)] = 1.0
     assert choose().min_rows == 1  # faster: it serves one row
     speeds[("onednn", 1)] = 2.0
     assert choose().min_rows == 2  # a tie keeps F.linear: plain steps stay bitwise the model's own
-    speeds[("onednn", 2)] = 3.0  # slower at 2 rows (as on an Intel Xeon host): passes over 2-3 keep F.linear
+    speeds[("onednn", 2)] = 3.0  # slower than F.linear at 2 rows: passes over 2-3 keep F.linear
     assert choose().min_rows == 4 and ("onednn", 1) not in probed  # one row is not probed past a loss above it
     speeds[("onednn", 4)] = 2.5
     assert choose().min_rows == 8  # a pass's row count, which it was chosen for, whatever F.linear does below
-    speeds[("mkl", 8)] = 0.5
-    assert choose() is packed_module.FLOAT32 and probed == [("mkl", 8), ("onednn", 8)] * rounds  # alternating
+    # faster at 8 rows alone, slower over a pass's row counts (as oneDNN's 2 rows on an Intel Xeon host): MKL
+    speeds |= {("mkl", 2): 1.0, ("mkl", 4): 1.0, ("mkl", 8): 1.2, ("onednn", 2): 3.0, ("onednn", 4): 1.0}
+    assert choose() == dataclasses.replace(kernels_module.FLOAT32, min_rows=2)  # one copy from 2 rows to 16
     speeds[("onednn", 1)] = speeds[("onednn", 2)] = speeds[("onednn", 4)] = 1.0
     assert choose(lambda kernel: kernel.name == "onednn").min_rows == 1 and ("onednn", 8) not in probed  # one kernel
 
@@ -200,14 +209,14 @@ def test_a_burst_of_load_in_one_probe_round_does_not_decide_the_float32_kernel(m
     # mkl is the faster kernel, but the machine is busy during its first probe: the median over rounds that each
     # time both kernels still finds it.
     times = {"mkl": [9.0, 1.0, 1.0], "onednn": [2.0, 2.0, 2.0]}
-    monkeypatch.setattr(packed_module, "PROBE_ROUNDS", 3)
-    monkeypatch.setattr(packed_module, "_probe_ms", lambda kernel, rows, weights, packs: times[kernel.name].pop(0))
-    kernels = [packed_module.FLOAT32, packed_module.FLOAT32_ONEDNN]
-    assert packed_module._faster(kernels, 8, [], {"mkl": [], "onednn": []}) is packed_module.FLOAT32
+    monkeypatch.setattr(kernels_module, "PROBE_ROUNDS", 3)
+    monkeypatch.setattr(kernels_module, "_probe_ms", lambda kernel, rows, weights, packs: times[kernel.name].pop(0))
+    kernels = [kernels_module.FLOAT32, kernels_module.FLOAT32_ONEDNN]
+    assert kernels_module._faster(kernels, (8,), [], {"mkl": [], "onednn": []}) is kernels_module.FLOAT32
     monkeypatch.undo()
-    for kernel in [None, *packed_module.FLOAT32_KERNELS]:  # the real probe times a product from streamed weights
-        if kernel is None or packed_module._available(kernel):
-            assert packed_module._probe_ms(kernel) > 0 and packed_module._probe_ms(kernel, 1) > 0
+    for kernel in [None, *kernels_module.FLOAT32_KERNELS]:  # the real probe times a product from streamed weights
+        if kernel is None or kernels_module._available(kernel):
+            assert kernels_module._probe_ms(kernel) > 0 and kernels_module._probe_ms(kernel, 1) > 0
 
 
 def test_float32_packed_verify_passes_keep_greedy_output_and_the_cache_exact(fp32_packed):
@@ -276,7 +285,7 @@ def test_a_block_adapters_layer_runs_from_packed_copies_of_its_own_weights(fp32_
 def test_linears_that_read_one_input_run_one_product_and_each_gets_its_own_numbers(monkeypatch, dtype):
     if dtype == torch.bfloat16 and not SUPPORTED:
         pytest.skip("this CPU does not compute bfloat16 natively")
-    base = packed_module.kernel_for(dtype)
+    base = kernels_module.kernel_for(dtype)
     if base is None:
         pytest.skip("this torch build has no packed float32 product")
     monkeypatch.setitem(packed_module.MIN_ELEMENTS, torch.float32, 0)
@@ -287,7 +296,7 @@ def test_linears_that_read_one_input_run_one_product_and_each_gets_its_own_numbe
         return base.product(x, packed, weight, bias, rows)
 
     kernel = dataclasses.replace(base, product=counted, min_rows=1)
-    monkeypatch.setattr(packed_module, "kernel_for", lambda dt: kernel if dt == dtype else None)
+    monkeypatch.setattr(kernels_module, "kernel_for", lambda dt: kernel if dt == dtype else None)
     torch.manual_seed(0)
     q, k, v = (nn.Linear(64, n, bias=True).to(dtype) for n in (64, 32, 32))
     other = nn.Linear(48, 16).to(dtype)  # another input width: never grouped with them

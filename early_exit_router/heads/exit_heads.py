@@ -173,7 +173,12 @@ class ExitHeads(nn.Module):
         return (
             f"{name}: {stack.num_layers} layers, exits at {self.exit_layers} ({adapters} adapters, {trained}); "
             f"added parameters {self.num_parameters():,} ({share:.2%} of the base model)"
-            + (f"; {len(packed)} weights prepacked ({packed.nbytes / 2**20:.0f} MiB)" if packed else "")
+            + (
+                f"; {len(packed)} weights prepacked ({packed.nbytes / 2**20:.0f} MiB, "
+                f"{'/'.join(packed.kernels)} products over {packed.served_rows})"
+                if packed
+                else ""
+            )
         )
 
 

@@ -26,7 +26,8 @@ from torch import nn
 
 from early_exit_router.models import _compat
 from early_exit_router.models.attention import check_native_gqa, native_gqa, native_gqa_supported
-from early_exit_router.models.packed import PackedLinears, packing_supported
+from early_exit_router.models.kernels import packing_supported
+from early_exit_router.models.packed import PackedLinears
 from early_exit_router.models.precise_logits import precise_top_logits, refines
 
 POSITION_STYLES = ("rotary_shared", "rotary_per_layer_type", "learned")

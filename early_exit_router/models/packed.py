@@ -2,18 +2,8 @@
 
 On a CPU the library kernels behind `F.linear` lay the weight out for the product on every call, and at the rows
 decoding multiplies (one position, or a verify pass of a few) that costs as much as the product. A weight laid out
-once, ahead, runs faster. Measured on a 2-core x86_64 CPU (SmolLM2-135M's shapes):
-
-- **bf16** (oneDNN, on CPUs with AVX512-BF16 or AMX): the 576 x 1536 projection takes 0.07 ms as `F.linear` and 0.03
-  ms from a weight reordered once, at every row count from 1 to 16, and the 49,152-row LM head 2.4-4.0 ms against
-  1.4-2.1 ms. One packed copy serves every row count, and its products equal `F.linear`'s bitwise (both run
-  oneDNN's kernel; only the reorder moves).
-- **float32**, whichever of two kernels is faster on the processor (measured once per process: `float32_kernel`, which
-  gives the measurements): MKL's packed GEMM, a weight packed for one row count and serving only that one, or oneDNN's
-  reordered weights, one copy for every row count, which serves the row counts from the fewest at which it is
-  measured faster than `F.linear` (a plain step's single row, on some processors); the engine pads a pass to the
-  cheapest measured chunk length (`costs.py`). The products agree with `F.linear` to float32 rounding, not bitwise,
-  as a chunked forward already does with a one-position one (every bench output stayed identical to greedy).
+once, ahead, runs faster (which product serves which dtype on which processor, and what each costs:
+`models/kernels.py`).
 
 So the stack keeps packed copies of the linear weights it runs (the decoder layers' and the LM head's: as much memory
 again as those weights per packed row count) and, for the length of one of its own calls, points those `nn.Linear`
@@ -29,12 +19,9 @@ against its own `F.linear`.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import statistics
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,178 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from early_exit_router.models import kernels
+from early_exit_router.models.kernels import PackedKernel
+
 logger = logging.getLogger("early_exit_router")
 
-CHECK_ROWS = (1, 3, 8)  # row counts each bf16 weight shape is checked at before it is used
+CHECK_ROWS = (1, 2, 3, 5, 8, 16)  # row counts a copy serving every row count is checked at, per shape, before use
 # Float32 weights smaller than this stay in cache between calls, where MKL's own small-row kernels are as fast.
 MIN_ELEMENTS = {torch.float32: 1 << 17}
-
-
-@dataclass(frozen=True)
-class PackedKernel:
-    """One dtype's packed product: how a weight is packed for a row count, the product from it, and its promise."""
-
-    name: str
-    dtype: torch.dtype
-    layer_rows: tuple[int, ...]  # the row counts a decoder layer's weights are packed for
-    head_rows: tuple[int, ...]  # the row counts the LM head is packed for
-    any_rows: bool  # one packed copy serves every row count (else only the count it was packed for)
-    bitwise: bool  # the product equals F.linear bitwise (else to float rounding)
-    pack: Callable[[torch.Tensor, int], torch.Tensor]
-    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
-    min_rows: int = 1  # products over fewer rows take the module's own forward (F.linear)
-
-
-def _onednn_product(
-    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
-) -> torch.Tensor:
-    # The overload itself, not the op packet: a plain step makes some 200 of these calls, and the packet's
-    # dispatch costs each of them a few microseconds.
-    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
-
-
-def _mkl_product(
-    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
-) -> torch.Tensor:
-    return torch.ops.mkl._mkl_linear.default(x, packed, weight, bias, rows)  # F.linear's product at other row counts
-
-
-BFLOAT16 = PackedKernel(
-    name="onednn",
-    dtype=torch.bfloat16,
-    layer_rows=(8,),  # the row count oneDNN packs for: measured as fast as a 1-row pack at 1 row and faster above
-    head_rows=(8,),
-    any_rows=True,
-    bitwise=True,
-    pack=lambda weight, rows: torch.ops.mkldnn._reorder_linear_weight(weight, rows),
-    product=_onednn_product,
-)
-FLOAT32 = PackedKernel(
-    name="mkl",
-    dtype=torch.float32,
-    layer_rows=(8,),  # a verify pass of 8 positions (others pad to it where the cost table finds that cheaper)
-    head_rows=(8, 16),  # the head gains most: 49,152 rows, 11.1 ms at 8 rows unpacked against 5.8
-    any_rows=False,
-    bitwise=False,
-    pack=lambda weight, rows: torch.ops.mkl._mkl_reorder_linear_weight(weight, rows),
-    product=_mkl_product,
-)
-FLOAT32_ONEDNN = PackedKernel(
-    name="onednn",
-    dtype=torch.float32,
-    layer_rows=(8,),  # one reordered copy serves every row count from min_rows up
-    head_rows=(8,),
-    any_rows=True,
-    bitwise=False,
-    pack=lambda weight, rows: torch.ops.mkldnn._reorder_linear_weight(weight, rows),
-    product=_onednn_product,
-    min_rows=2,  # `float32_kernel` sets it: from where it is measured faster than F.linear (`_fewest_rows`)
-)
-FLOAT32_KERNELS = (FLOAT32, FLOAT32_ONEDNN)
-PROBE_SHAPE, PROBE_COPIES, PROBE_ROWS = (4096, 1024), 4, 8  # 64 MiB of weights: streamed from memory, as in a pass
-PROBE_ROUNDS = 3  # alternating rounds per choice: a 2-core VM's load moves within one kernel's probe
-FEWER_ROWS = (1, 2, 4)  # row counts below PROBE_ROWS an any-rows kernel serves only where it beats F.linear there
-
-
-def packing_supported(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why prepacked weights are not used on `device` in `dtype` (None: they are)."""
-    if device.type != "cpu":
-        return "not a CPU"
-    if dtype == torch.float32:
-        return None if _available(FLOAT32) or _available(FLOAT32_ONEDNN) else "this torch build has no packed GEMM"
-    if dtype != torch.bfloat16:
-        return f"{str(dtype).replace('torch.', '')} weights (packing pays for float32 and bfloat16)"
-    if not _available(BFLOAT16):
-        return "this torch build has no oneDNN linear"
-    native = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    if not ((native is not None and native()) or (amx is not None and amx())):
-        return "this CPU does not compute bfloat16 natively"
-    return None
-
-
-def kernel_for(dtype: torch.dtype | None) -> PackedKernel | None:
-    """The packed product for weights of `dtype` (None: none)."""
-    if dtype == torch.float32:
-        return float32_kernel()
-    return BFLOAT16 if dtype == torch.bfloat16 else None
-
-
-def _available(kernel: PackedKernel) -> bool:
-    """Whether this torch build has `kernel`'s operators (MKL's packed GEMM, or oneDNN's linear)."""
-    if kernel is FLOAT32:
-        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-_FLOAT32_CHOICE: list[PackedKernel | None] = []  # this process's measured choice, once made
-
-
-def float32_kernel() -> PackedKernel | None:
-    """The faster float32 kernel on this CPU, measured once per process at a pass's row count on weights streamed
-    from memory (`_faster`): MKL's packed GEMM or oneDNN's reordered weights (on a 2-core AMD EPYC host oneDNN ran
-    the 49,152 x 576 LM head at 8 rows in 3.9 ms, MKL in 14.6, F.linear in 21.2). One whose copy serves every row
-    count serves fewer rows only from where it is faster than `F.linear` (`_fewest_rows`): there one row too (the
-    head 3.7 ms against 10.0); on an Intel Xeon host, where its 2 rows took 1.2-2.0x F.linear's, 4 rows and up."""
-    if not _FLOAT32_CHOICE:
-        usable = [k for k in FLOAT32_KERNELS if _available(k)]
-        weights = _probe_weights() if usable else []  # one set for every probe: generating it costs as much as one
-        packs = {k.name: [k.pack(w, PROBE_ROWS) for w in weights] for k in usable}
-        chosen = _faster(usable, PROBE_ROWS, weights, packs) if len(usable) > 1 else next(iter(usable), None)
-        if chosen is not None and chosen.any_rows:
-            chosen = dataclasses.replace(chosen, min_rows=_fewest_rows(chosen, weights, packs))
-        _FLOAT32_CHOICE.append(chosen)
-        if chosen is not None:
-            logger.info("early-exit-router: float32 products from %s weights, %d rows up", chosen.name, chosen.min_rows)
-    return _FLOAT32_CHOICE[0]
-
-
-def _fewest_rows(kernel: PackedKernel, weights: list[torch.Tensor], packs: dict[str, list]) -> int:
-    """The fewest rows `kernel` (one copy for every row count) serves: the smallest of FEWER_ROWS from which on it
-    beats `F.linear` (a tie keeps F.linear, bitwise the model's own), else PROBE_ROWS, which it was chosen for."""
-    fewest = PROBE_ROWS
-    for rows in sorted(FEWER_ROWS, reverse=True):
-        if _faster([None, kernel], rows, weights, packs) is not kernel:
-            break
-        fewest = rows
-    return fewest
-
-
-def _faster(
-    kernels: Sequence[PackedKernel | None], rows: int, weights: list[torch.Tensor], packs: dict[str, list]
-) -> PackedKernel | None:
-    """The kernel (None: `F.linear`) with the least median probe over PROBE_ROUNDS rounds, each of which times every
-    candidate once: a burst of load on a shared machine then slows them alike instead of deciding the choice.
-    `packs`: `weights` packed for each kernel, by its name (packed once: 25-30 ms a kernel on the Intel host)."""
-    copies = [weights if k is None else packs[k.name] for k in kernels]
-    times: list[list[float]] = [[] for _ in kernels]
-    for _ in range(PROBE_ROUNDS):
-        for measured, kernel, packed in zip(times, kernels, copies):
-            measured.append(_probe_ms(kernel, rows, weights, packed))
-    return kernels[min(range(len(kernels)), key=lambda i: statistics.median(times[i]))]
-
-
-def _probe_weights() -> list[torch.Tensor]:
-    """PROBE_COPIES weights of PROBE_SHAPE: together too large to stay cached, as a model's are in a pass."""
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randn(*PROBE_SHAPE, generator=generator) for _ in range(PROBE_COPIES)]
-
-
-def _probe_ms(
-    kernel: PackedKernel | None, rows: int = PROBE_ROWS, weights: list | None = None, packs: list | None = None
-) -> float:
-    """Median ms of one product over `rows` rows with `kernel` (None: `F.linear`), cycling through `weights`
-    (`_probe_weights` where not given) packed as `packs` (packed here where not given)."""
-    weights = weights or _probe_weights()
-    packs = packs or (weights if kernel is None else [kernel.pack(w, PROBE_ROWS) for w in weights])
-    x = torch.randn(rows, PROBE_SHAPE[1], generator=torch.Generator().manual_seed(1))
-    times = []
-    for k in range(3 * PROBE_COPIES):
-        weight, pack = weights[k % PROBE_COPIES], packs[k % PROBE_COPIES]
-        start = time.perf_counter()
-        F.linear(x, weight) if kernel is None else kernel.product(x, pack, weight, None, PROBE_ROWS)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[PROBE_COPIES:]) * 1000  # the first round warms the kernel up
 
 
 @dataclass
@@ -275,7 +98,7 @@ class PackedLinears:
         for module in [*modules, *([head] if head is not None else [])]:
             if id(module) in self._entries:
                 continue
-            kernel = kernel_for(getattr(getattr(module, "weight", None), "dtype", None))
+            kernel = kernels.kernel_for(getattr(getattr(module, "weight", None), "dtype", None))
             if kernel is None:
                 continue
             entry = self._pack(module, kernel.head_rows if module is head else kernel.layer_rows)
@@ -288,18 +111,34 @@ class PackedLinears:
 
     def serves(self, rows: int) -> bool:
         """Whether some packed copy serves a product over `rows` rows (else the modules' own forward runs without the
-        swap: in float32 a plain step's single row, unless `float32_kernel` measured its kernel faster there)."""
-        return (self._any_from is not None and rows >= self._any_from) or rows in self._rows
+        swap: in float32 a plain step's single row, unless `float32_kernel` measured its kernel faster there, and
+        a prefill past MKL's 16 rows)."""
+        return (self._any_from is not None and self._any_from <= rows <= self._any_to) or rows in self._rows
 
     def _count_rows(self) -> None:
-        # The fewest rows a copy packed for any row count serves (None: no such copy), and the counts others serve.
-        self._any_from = min((e.kernel.min_rows for e in self._entries.values() if e.kernel.any_rows), default=None)
-        self._rows = {r for e in self._entries.values() for r in e.packed}
+        # The row counts copies packed for any row count serve (_any_from None: no such copy), the counts others serve.
+        spans = [(e.kernel.min_rows, e.kernel.max_rows) for e in self._entries.values() if e.kernel.any_rows]
+        self._any_from = min((low for low, _ in spans), default=None)
+        self._any_to = max((float("inf") if high is None else high for _, high in spans), default=0)
+        self._rows = {r for e in self._entries.values() if not e.kernel.any_rows for r in e.packed}
 
     @property
     def min_rows(self) -> int:
         """The fewest rows a packed copy serves (a plain step's single row runs the modules' own forward above 1)."""
         return min({*self._rows, *([] if self._any_from is None else [self._any_from])}, default=1)
+
+    @property
+    def max_rows(self) -> int | None:
+        """The most rows a copy serving every row count serves (None: no bound, or no such copy)."""
+        return self._any_to if self._any_from is not None and self._any_to != float("inf") else None
+
+    @property
+    def served_rows(self) -> str:
+        """The row counts the copies serve, in words ("4-16 rows", "2+ rows", "8 and 16 rows")."""
+        if self._any_from is not None:
+            high = "+" if self.max_rows is None else f"-{self.max_rows}"
+            return f"{self._any_from}{high} rows" if self._any_from != self.max_rows else f"{self._any_from} rows"
+        return " and ".join(str(r) for r in sorted(self._rows)) + " rows"
 
     @property
     def kernels(self) -> list[str]:
@@ -335,7 +174,7 @@ class PackedLinears:
         """The packed kernel that could serve `module`: a plain `nn.Linear` weight on the CPU in a packed dtype, whose
         `forward` no other wrapper owns (None: none could)."""
         weight = getattr(module, "weight", None)
-        kernel = kernel_for(getattr(weight, "dtype", None))
+        kernel = kernels.kernel_for(getattr(weight, "dtype", None))
         if kernel is None or not isinstance(module, nn.Linear) or type(weight) is not nn.Parameter:
             return None
         if weight.device.type != "cpu" or self._wrapped_by_another(module):
@@ -352,8 +191,8 @@ class PackedLinears:
         members = tuple(modules)
         if len(members) < 2 or len({id(m) for m in members}) < len(members):
             return []
-        kernels = {self._kernel_for_module(m) for m in members}
-        kernel = kernels.pop() if len(kernels) == 1 else None
+        found = {self._kernel_for_module(m) for m in members}
+        kernel = found.pop() if len(found) == 1 else None
         if kernel is None:
             return []
         weights = [m.weight for m in members]
@@ -424,7 +263,7 @@ def _checked(
     """Whether the packed product equals `F.linear` for weights of these shapes (several: stacked as one weight, each
     one's columns against its own `F.linear`), bitwise or to float rounding as the kernel promises (checked once per
     shapes and row counts, in this process)."""
-    shape = (kernel.name, kernel.dtype, tuple(out_features), in_features, bias, rows)
+    shape = (kernel.name, kernel.dtype, kernel.min_rows, kernel.max_rows, tuple(out_features), in_features, bias, rows)
     if shape not in _CHECKED:
         generator = torch.Generator().manual_seed(0)
         weights = [(torch.randn(o, in_features, generator=generator) * 0.05).to(kernel.dtype) for o in out_features]
@@ -433,11 +272,12 @@ def _checked(
         weight = weights[0] if len(weights) == 1 else _stand_in(stacked)
         stacked_bias = torch.cat(biases) if bias and len(biases) > 1 else biases[0]
         exact = True
+        served = [r for r in CHECK_ROWS if kernel.min_rows <= r <= (kernel.max_rows or r)]
         for packed_rows in rows:
             packed = kernel.pack(stacked, packed_rows)
-            for count in [r for r in CHECK_ROWS if r >= kernel.min_rows] if kernel.any_rows else (packed_rows,):
+            for count in served if kernel.any_rows else (packed_rows,):
                 x = torch.randn(1, count, in_features, generator=generator).to(kernel.dtype)
-                got = kernel.product(x, packed, weight, stacked_bias, packed_rows).split(list(out_features), -1)
+                got = kernel.product(x, packed, weight, stacked_bias, count).split(list(out_features), -1)
                 for columns, w, b in zip(got, weights, biases):
                     want = F.linear(x, w, b)
                     same = torch.equal(columns, want) if kernel.bitwise else torch.allclose(columns, want, 1e-4, 1e-4)
@@ -466,14 +306,15 @@ def _packed_forward(
     call with an input computes and keeps in `latest` for the others. Only the thread in `owner` uses it: another
     one running the model meanwhile takes the module's own forward."""
     original = type(module).forward
-    any_rows = next(iter(packed.items())) if kernel.any_rows else None
+    any_rows = next(iter(packed.values())) if kernel.any_rows else None  # the one copy serving every row count
     # Looked up once: this runs for every linear of every step, where attribute lookups on the module and the
     # kernel cost as much as the checks. `_parameters` is what `module.weight` reads, without nn.Module's lookup.
-    parameters, product, dtype, min_rows, grad_enabled, thread = (
+    parameters, product, dtype, min_rows, max_rows, grad_enabled, thread = (
         module._parameters,
         kernel.product,
         kernel.dtype,
         kernel.min_rows,
+        kernel.max_rows or float("inf"),
         torch.is_grad_enabled,
         threading.get_ident,
     )
@@ -485,16 +326,16 @@ def _packed_forward(
         if owner[0] != thread():  # another thread than the one inside `active`
             return original(module, x)
         rows = x.numel() // x.shape[-1]
-        if rows < min_rows:
+        if rows < min_rows or rows > max_rows:
             return original(module, x)
-        chosen = any_rows or (rows, packed.get(rows))
-        if chosen[1] is None:
+        copy = any_rows if any_rows is not None else packed.get(rows)
+        if copy is None:
             return original(module, x)
         if group is None:
-            return product(x, chosen[1], parameters["weight"], parameters["bias"], chosen[0])
+            return product(x, copy, parameters["weight"], parameters["bias"], rows)
         version = -1 if x.is_inference() else x._version  # an inference tensor keeps no version counter
         if latest[0] is not group or latest[1] is not x or latest[2] != version:
-            latest[:] = [group, x, version, product(x, chosen[1], group.weight, group.bias, chosen[0])]
+            latest[:] = [group, x, version, product(x, copy, group.weight, group.bias, rows)]
         return latest[3][..., start:stop]  # a view: callers split its last axis or multiply it (copies: 3% a pass)
 
     return forward

@@ -302,6 +302,7 @@ def cost_key(stack: Any, draft_vocab_size: int) -> dict[str, Any]:
         "packed_weights": len(stack.packed_weights or ()),  # products from prepacked weights cost less
         "packed_kernels": stack.packed_weights.kernels if stack.packed_weights else [],
         "packed_min_rows": stack.packed_weights.min_rows if stack.packed_weights else 1,
+        "packed_max_rows": stack.packed_weights.max_rows if stack.packed_weights else None,
         "packed_groups": stack.packed_weights.groups if stack.packed_weights else 0,  # stacked: fewer products
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
