@@ -134,7 +134,7 @@ def kernel_for(dtype: torch.dtype | None) -> PackedKernel | None:
 
 def _available(kernel: PackedKernel) -> bool:
     """Whether this torch build has `kernel`'s operators (MKL's packed GEMM, or oneDNN's linear)."""
-    if kernel is FLOAT32:
+    if kernel.name == "mkl":  # also a copy with its measured row counts
         return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -158,7 +158,8 @@ def float32_kernel() -> PackedKernel | None:
             chosen = dataclasses.replace(chosen, min_rows=_fewest_rows(chosen, weights, packs))
         _FLOAT32_CHOICE.append(chosen)
         if chosen is not None:
-            logger.info("early-exit-router: float32 products from %s weights, %d rows up", chosen.name, chosen.min_rows)
+            rows = f"{chosen.min_rows}" + ("+" if chosen.max_rows is None else f"-{chosen.max_rows}")
+            logger.info("early-exit-router: float32 products from %s weights over %s rows", chosen.name, rows)
     return _FLOAT32_CHOICE[0]
 
 
