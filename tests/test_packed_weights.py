@@ -365,3 +365,33 @@ def test_another_thread_running_the_model_during_a_packed_call_takes_the_modules
     with torch.no_grad():
         assert all(torch.equal(out, F.linear(x, lin.weight)) for out, lin in zip(seen["out"], linears))
         torch.testing.assert_close(ours, F.linear(x, linears[0].weight), atol=1e-5, rtol=0)
+
+
+def test_costs_inside_a_packed_copys_span_are_fitted_never_to_fall_as_rows_rise():
+    rows = [1, 2, 3, 4, 8, 24]
+    costs = [1.0, 5.0, 3.0, 4.0, 2.0, 9.0]
+    # 5, 3 pool to 4; then 4 holds; then 2 pulls all four down to their mean: the least-squares rising fit
+    assert kernels_module.rising_within(costs, rows, (2, 16)) == [1.0, 3.5, 3.5, 3.5, 3.5, 9.0]
+    assert kernels_module.rising_within(costs, rows, (2, 3)) == [1.0, 4.0, 4.0, 4.0, 2.0, 9.0]  # outside: as measured
+    assert kernels_module.rising_within(costs, rows, None) == costs  # no packed copy (a GPU, F.linear)
+    assert kernels_module.rising_within([1.0, 2.0, 2.0, 3.0], [1, 2, 3, 4], (1, float("inf"))) == [1.0, 2.0, 2.0, 3.0]
+
+
+def test_a_measured_table_never_pads_a_pass_inside_the_packed_copys_span(fp32_packed):
+    """Noise can time a longer chunk cheaper than a shorter one through the same packed copy; the table must not
+    send passes to it (a table on the Intel Xeon host ran passes over 8 positions as 16)."""
+    from early_exit_router.routing import costs
+
+    router, _ = fp32_packed
+    stack = router.stack
+    low, high = stack.packed_weights.served_span
+    assert stack.packed_weights.holds(stack.lm_head)  # the tiny model's head is packed too
+    chunks = (1, 2, 3, 4, 5, 8, 16, 24)
+    table = costs.measure(stack, router.heads, 0, chunks=chunks, reps=1, rounds=1)
+    inside = [m for m in chunks if low <= m <= high]
+    for measured in (table.layer_ms, table.head_ms):
+        fitted = [measured[chunks.index(m)] for m in inside]
+        assert fitted == sorted(fitted)
+    for m in inside:
+        assert table.layer_pad(m) == m or table.layer_pad(m) not in inside
+        assert table.head_pad(m) == m or table.head_pad(m) not in inside

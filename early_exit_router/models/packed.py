@@ -133,6 +133,15 @@ class PackedLinears:
         return self._any_to if self._any_from is not None and self._any_to != float("inf") else None
 
     @property
+    def served_span(self) -> tuple[int, float] | None:
+        """(fewest, most) rows a copy serving every row count serves (most: inf where unbounded; None: no such copy)."""
+        return None if self._any_from is None else (self._any_from, self._any_to)
+
+    def holds(self, module: nn.Module) -> bool:
+        """Whether `module` has a packed copy."""
+        return id(module) in self._entries
+
+    @property
     def served_rows(self) -> str:
         """The row counts the copies serve, in words ("4-16 rows", "2+ rows", "8 and 16 rows")."""
         if self._any_from is not None:

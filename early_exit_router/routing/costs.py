@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from early_exit_router.models.kernels import rising_within
 from early_exit_router.routing.cpu_load import other_work_share, read_cpu
 
 COST_FORMAT_VERSION = 3  # 3: a fixed set of chunk lengths; 2: interleaved measurement rounds and a timed real step
@@ -415,8 +416,12 @@ def measure(
             layer_rounds[k].append(timed(lambda x=x, p=positions: run_and_undo(x, p, count)) / count)
             head_rounds[k].append(timed(lambda x=x: stack.logits(x)))
         step_rounds.append(timed(lambda: (run_and_undo(x1, positions1, stack.num_layers), stack.logits(x1))))
-    layer_ms = [statistics.median(r) for r in layer_rounds]
-    head_ms = [statistics.median(r) for r in head_rounds]
+    # Through one packed copy a longer chunk never costs less: fit out the noise that would pad passes to one.
+    packed = stack.packed_weights
+    span = packed.served_span if packed is not None else None
+    layer_ms = rising_within([statistics.median(r) for r in layer_rounds], chunks, span)
+    head_span = span if packed is not None and packed.holds(stack.lm_head) else None
+    head_ms = rising_within([statistics.median(r) for r in head_rounds], chunks, head_span)
     real_step_ms = statistics.median(step_rounds)
     row = states(1)[:, 0]
     exit_layer = heads.exit_layers[0] if heads.exit_layers else None
