@@ -469,6 +469,11 @@ def test_cli_warm_starts_one_exit_from_saved_heads_and_reuses_saved_hidden_state
     assert "reused" in json.loads((tmp_path / "out" / "training_report.json").read_text())["gate_corpus"]["note"]
     assert main(args[:3] + ["--out", str(tmp_path / "x"), "--exit-layers", "1,3", "--train-exits", "1"]) == 2
     assert "--init-from" in capsys.readouterr().err
+    # The heads' agreement on their own training text, for the trained exit alone
+    own = json.loads((tmp_path / "out" / "training_report.json").read_text())["own_text_agreement"]
+    assert set(own) == {"1"} and 0.0 <= own["1"] <= 1.0
+    assert main(args[:3] + ["--out", str(tmp_path / "y"), "--train-share", "1.5"]) == 2  # before the model loads
+    assert "(0, 1]" in capsys.readouterr().err and not (tmp_path / "y").exists()
 
 
 def test_gates_fit_on_held_out_chunks_the_adapters_never_saw(monkeypatch):
@@ -506,6 +511,36 @@ def test_gates_fit_on_held_out_chunks_the_adapters_never_saw(monkeypatch):
     extra = {tuple(c) for c in gate_text.next_token.view(-1, 32).tolist()}
     assert chunks["gates"] | extra == {tuple(c) for c in seen["gates"].next_token.view(-1, 32).tolist()}
     assert result["gate_fit_positions"] == len(seen["gates"]) and not extra & chunks["scored"]
+
+
+def test_a_share_of_the_training_text_keeps_the_held_out_text(monkeypatch):
+    """`train_share`: the heads learn from a seeded share of the training chunks, and are scored on the same held-out
+    chunks as with all of them, so that a learning curve over the corpus' size compares like with like."""
+    from early_exit_router.training import distill as training
+
+    seen = []
+    real_heads = training.train_heads
+
+    def spy_heads(router, cache, cfg, **kw):
+        seen.append({tuple(c) for c in cache.next_token.view(-1, 32).tolist()})
+        return real_heads(router, cache, cfg, **kw)
+
+    monkeypatch.setattr(training, "train_heads", spy_heads)
+    cfg = TrainingConfig(max_steps=2, batch_tokens=64, chunk_len=32, holdout_share=0.25)
+    results = []
+    for share in (1.0, 0.5, 0.5):
+        router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], draft_vocab_size=0)
+        cfg = dataclasses.replace(cfg, train_share=share)
+        results.append(training.distill_router(router, corpus(16, 64), cfg, gates=False, target_agreement=None))
+    whole, half, again = seen
+    assert len(whole) == 24 and len(half) == 12 and half < whole and half == again  # seeded: the same half
+    assert results[0]["holdout_positions"] == results[1]["holdout_positions"] == 8 * 32
+    for result in results:
+        assert set(result["own_text_agreement"]) == {1, 3}
+        assert all(0.0 <= a <= 1.0 for a in result["own_text_agreement"].values())
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            TrainingConfig(train_share=bad)
 
 
 @pytest.mark.slow

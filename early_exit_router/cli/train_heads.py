@@ -31,6 +31,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     train.add_argument("--batch-tokens", type=int, default=512, help="Positions per step (default: %(default)s).")
     train.add_argument("--lr", type=float, default=2e-3, help="Learning rate (default: %(default)s).")
     train.add_argument("--ce-weight", type=float, default=0.0, help="Weight of next-token cross-entropy.")
+    train.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: %(default)s).")
+    train.add_argument(
+        "--train-share",
+        type=float,
+        default=1.0,
+        help="Learn from this seeded share of the training text, the held-out text unchanged: with --hidden-states, "
+        "a learning curve over the corpus' size in one command per share (default: all of it).",
+    )
     train.add_argument("--seed", type=int, default=0, help="Seed (default: %(default)s).")
     train.add_argument(
         "--self-gen-tokens", type=int, default=96, help="Answer length per training prompt; 0 skips self-generation."
@@ -110,22 +118,24 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts:
         read_prompts(args.prompts, TRAIN_PROMPTS)  # only checked here: the corpus reads the file itself
     check_out_folder(args.out)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    overrides = router_overrides(args)
-    router = EarlyExitRouter.from_pretrained(args.model, fresh_heads=True, warm_up=False, **overrides)
-    print(router.describe(), file=sys.stderr)
-    cfg = TrainingConfig(
+    cfg = TrainingConfig(  # a bad setting is reported before the model loads
         max_steps=args.max_steps,
         max_seconds=args.max_seconds,
         batch_tokens=args.batch_tokens,
         lr=args.lr,
         ce_weight=args.ce_weight,
+        weight_decay=args.weight_decay,
         seed=args.seed,
         head_gates=not args.pre_head_gates,
         train_exits=args.train_exits,
         warm_lr_scale=args.warm_lr_scale,
+        train_share=args.train_share,
     )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = router_overrides(args)
+    router = EarlyExitRouter.from_pretrained(args.model, fresh_heads=True, warm_up=False, **overrides)
+    print(router.describe(), file=sys.stderr)
     warm = []
     if args.init_from:
         warm = warm_start(router, router.load_saved_heads(args.init_from), router.exit_layers)
@@ -175,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         format_table("held-out positions of the training corpus", [ExitQuality(**r) for r in result["holdout_quality"]])
     )
+    own = ", ".join(f"L{e} {a:.3f}" for e, a in result["own_text_agreement"].items())
+    print(f"top-1 agreement on the heads' own training text: {own}")
     print(f"saved to {args.out}; thresholds {result.get('thresholds')}; {result['wall_seconds']} s in all")
     return 0
 

@@ -33,3 +33,12 @@ class TrainingConfig:
     draft_vocab_only: bool = True  # distil over the router's trimmed draft vocabulary, when it has one
     train_exits: list[int] | None = None  # the exits whose adapters train (None: all); the others stay as loaded
     warm_lr_scale: float = 0.1  # warm-started parameters (`warm_start`) learn at this fraction of `lr`
+    # The share of the training chunks (those left once the held-out ones are set aside) that the heads learn from,
+    # drawn with the seed: a learning curve over the corpus' size with the held-out text and the steps held fixed.
+    train_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.train_share <= 1.0:
+            raise ValueError(
+                f"train_share is {self.train_share}: give the share of the training text to learn from, in (0, 1]."
+            )

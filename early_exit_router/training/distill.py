@@ -31,8 +31,11 @@ from early_exit_router.training.hidden_states import (
     HiddenStateCache,
     build_cache,
     chunk_positions,
+    exit_top1,
     teacher_top1,
 )
+
+OWN_TEXT_CHUNKS = 50  # chunks of a head's own training text its agreement there is measured on
 
 
 def distillation_loss(
@@ -159,6 +162,17 @@ def train_heads(
     return report
 
 
+def own_text_agreement(router: Any, train: HiddenStateCache, cfg: TrainingConfig) -> dict[int, float]:
+    """Each trained exit's top-1 agreement with the full model on its own training text (`OWN_TEXT_CHUNKS` chunks of
+    it; without chunks, as many positions as 256-position chunks would hold): beside the held-out agreement, the gap
+    says how far a head learned its text rather than the model (`train_share` draws the learning curve)."""
+    chunks = train.num_chunks or max(1, len(train) // 256)
+    sample = train.sample(min(1.0, OWN_TEXT_CHUNKS / chunks), cfg.seed)
+    teacher = teacher_top1(router, sample)
+    exits = [e for e in router.heads.exit_layers if cfg.train_exits is None or e in cfg.train_exits]
+    return {e: round((exit_top1(router, sample, e) == teacher).float().mean().item(), 4) for e in exits}
+
+
 def _sub_logits(stack: Any, draft: DraftHead | None, normed: torch.Tensor) -> torch.Tensor:
     """(N, hidden) -> float32 logits over the trimmed ids (N, K), or over the whole vocabulary without `draft`."""
     if draft is None:
@@ -228,12 +242,14 @@ def distill_router(
         cache = build_cache(router.stack, router.heads.exit_layers, sequences, cfg.chunk_len, progress=progress)
     cache_s = time.perf_counter() - start
     train, holdout = cache.split(cfg.holdout_share, cfg.seed)
+    train = train.sample(cfg.train_share, cfg.seed)
     # The trimmed draft head keeps the model's most frequent predictions (warm-started heads keep the ranking they
     # were trained with).
     if router.config.draft_vocab_size and router.heads.draft_token_ranking() is None:
         vocab = router.stack.vocab_size
         router.heads.set_draft_token_ranking(draft_token_ranking(teacher_top1(router, train), vocab), vocab)
     report = train_heads(router, train, cfg, progress=progress, warm=warm)
+    own_text = own_text_agreement(router, train, cfg)
     if gates:
         gate_fit = train
         if holdout.num_chunks >= 2:  # else (a tiny corpus) the gates fit on the training text
@@ -250,6 +266,7 @@ def distill_router(
         report.confidence_exit_share_at_95 = {e: q["confidence_exit_share_at_95"] for e, q in quality.items()}
     router.config = router.config.replace(heads_trained=True)
     result: dict[str, Any] = {"training": report.to_dict(), "cache_seconds": round(cache_s, 1)}
+    result["own_text_agreement"] = own_text
     signals = exit_signals(router, holdout)
     if target_agreement is not None:
         high, share, agreement = suggest_high_threshold(

@@ -47,6 +47,15 @@ class HiddenStateCache:
         n_hold = max(1, int(len(self) * holdout_share))
         return self.select(perm[n_hold:]), self.select(perm[:n_hold])
 
+    def sample(self, share: float, seed: int) -> HiddenStateCache:
+        """A seeded `share` of the whole chunks (of the positions, without chunks), at least one; all of it at 1."""
+        if share >= 1.0:
+            return self
+        g = torch.Generator().manual_seed(seed)
+        total = self.num_chunks if self.chunk_len else len(self)
+        picked = torch.randperm(total, generator=g)[: max(1, int(total * share))]
+        return self.select_chunks(picked) if self.chunk_len else self.select(picked)
+
     def save(self, path: str | Path) -> None:
         """Write the cache to one file (reloaded by `load`, memory-mapped)."""
         torch.save(
