@@ -38,22 +38,24 @@ class HiddenStateCache:
     def split(self, holdout_share: float, seed: int) -> tuple[HiddenStateCache, HiddenStateCache]:
         """(train, held out): a seeded share of whole chunks held out (of positions, without chunks), so that no
         held-out position sits between training positions of the same text."""
-        g = torch.Generator().manual_seed(seed)
-        if self.chunk_len:
-            perm = torch.randperm(self.num_chunks, generator=g)
-            n_hold = max(1, int(self.num_chunks * holdout_share))
-            return self.select_chunks(perm[n_hold:]), self.select_chunks(perm[:n_hold])
-        perm = torch.randperm(len(self), generator=g)
-        n_hold = max(1, int(len(self) * holdout_share))
-        return self.select(perm[n_hold:]), self.select(perm[:n_hold])
+        order, n_hold = self._draw(holdout_share, seed)
+        return self._units(order[n_hold:]), self._units(order[:n_hold])
 
     def sample(self, share: float, seed: int) -> HiddenStateCache:
-        """A seeded `share` of the whole chunks (of the positions, without chunks), at least one; all of it at 1."""
+        """A seeded `share` of the whole chunks (of the positions, without chunks), at least one; all of it at 1: what
+        `split` would hold out, without copying the rest."""
         if share >= 1.0:
             return self
-        g = torch.Generator().manual_seed(seed)
+        order, n = self._draw(share, seed)
+        return self._units(order[:n])
+
+    def _draw(self, share: float, seed: int) -> tuple[torch.Tensor, int]:
+        """A seeded order of the chunks (of the positions, without chunks) and how many of them make `share`."""
         total = self.num_chunks if self.chunk_len else len(self)
-        picked = torch.randperm(total, generator=g)[: max(1, int(total * share))]
+        return torch.randperm(total, generator=torch.Generator().manual_seed(seed)), max(1, int(total * share))
+
+    def _units(self, picked: torch.Tensor) -> HiddenStateCache:
+        """The chunks `picked` (the positions, without chunks)."""
         return self.select_chunks(picked) if self.chunk_len else self.select(picked)
 
     def save(self, path: str | Path) -> None:
