@@ -350,7 +350,8 @@ class EarlyExitRouter:
                 stopping_criteria=stopping_criteria, logits_processor=logits_processor,
                 **({"stop_strings": list(stop_strings), "tokenizer": self.tokenizer} if stop_strings else {}),
             )  # fmt: skip
-        if mode == "exit" and not self.config.heads_trained and not self._warned_untrained:
+        lossy = mode == "exit" and cfg.holdback is not None  # exited tokens may reach the caller unchecked
+        if lossy and not self.config.heads_trained and not self._warned_untrained:
             self._warned_untrained = True
             warnings.warn(UNTRAINED_EXIT_MODE, UserWarning, stacklevel=2)
         request = DecodeRequest(max_new_tokens, frozenset(eos), stop_strings, as_criteria(stopping_criteria),

@@ -26,6 +26,7 @@ from early_exit_router.config_checks import (
     check_booleans,
     check_exit_layers,
     check_integers,
+    check_monitoring,
     check_unit_interval,
 )
 
@@ -201,8 +202,9 @@ class DraftingOptions:
     mode: str = field(
         default="exit",
         metadata={
-            "help": "'exit': exited tokens are final (lossy, fastest). 'verify': exited tokens are drafts that the "
-            "next deep pass verifies, so greedy output equals the full model's (lossless)."
+            "help": "'exit': a token leaves where the exit rule lets it; one the deep pass finds wrong before it "
+            "reached the caller is repaired (holdback). 'verify': exited tokens are drafts that the next deep pass "
+            "verifies, so greedy output equals the full model's (lossless)."
         },
     )
     policy: str = field(
@@ -371,6 +373,16 @@ class MonitoringOptions:
             "Calibration sets it (the shipped SmolLM2 heads: 0.95). None keeps the thresholds fixed. In [0, 1]."
         },
     )
+    holdback: int | None = field(
+        default=None,
+        metadata={
+            "help": "Exit mode: how many exited tokens may wait for their check before the oldest reaches the "
+            "caller (streamer, stopping criteria, output) unchecked. One the deep pass finds wrong before then is "
+            "repaired: the output rolls back to it and takes the full model's token, so one wrong list item cannot "
+            "cascade. None: none reaches the caller unchecked (greedy output is the full model's; a streamer gets "
+            "each after its check, as many as max_pending wait); k > 0: lossy past k; 0: final at once (0.1's)."
+        },
+    )
     controller_step: float = field(
         default=0.01,
         metadata={"help": "Threshold controller: how far one deep pass lowers the thresholds (raising is 4x faster)."},
@@ -384,18 +396,7 @@ class MonitoringOptions:
         self._check_monitoring()
 
     def _check_monitoring(self) -> None:
-        for name in ("monitor_min_agreement", "check_fraction"):
-            check_unit_interval(name, getattr(self, name))
-        if self.target_agreement is not None:
-            check_unit_interval("target_agreement", self.target_agreement)
-            if not self.check_agreement or self.check_fraction == 0:
-                raise ValueError(
-                    "target_agreement needs the exit checks to watch the output's quality: keep check_agreement "
-                    "and a check_fraction above 0, or set target_agreement=None to turn the quality target off."
-                )
-        if not 0 < self.controller_step <= 1:
-            raise ValueError(f"controller_step must be in (0, 1], got {self.controller_step!r}.")
-        check_integers(self, {"monitor_window": 1, "controller_window": 1})
+        check_monitoring(self)
 
 
 @dataclass

@@ -64,6 +64,25 @@ def check_integers(config: Any, lowest: dict[str, int]) -> None:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
 
 
+def check_monitoring(options: Any) -> None:
+    """`MonitoringOptions`' fields: the checks, the monitor, the quality target, the holdback and the controller."""
+    for name in ("monitor_min_agreement", "check_fraction"):
+        check_unit_interval(name, getattr(options, name))
+    if options.target_agreement is not None:
+        check_unit_interval("target_agreement", options.target_agreement)
+        if not options.check_agreement or options.check_fraction == 0:
+            raise ValueError(
+                "target_agreement needs the exit checks to watch the output's quality: keep check_agreement "
+                "and a check_fraction above 0, or set target_agreement=None to turn the quality target off."
+            )
+    held = options.holdback
+    if held is not None and (not isinstance(held, int) or isinstance(held, bool) or held < 0):
+        raise ValueError(f"holdback must be None (no unchecked token) or an integer >= 0, got {held!r}.")
+    if not 0 < options.controller_step <= 1:
+        raise ValueError(f"controller_step must be in (0, 1], got {options.controller_step!r}.")
+    check_integers(options, {"monitor_window": 1, "controller_window": 1})
+
+
 def check_booleans(config: Any) -> None:
     """Every field annotated `bool` must hold True or False (a JSON or form "false" would otherwise count as true)."""
     for f in dataclasses.fields(config):

@@ -77,8 +77,10 @@ def prompt(seed: int = 1, length: int = 6) -> torch.Tensor:
 
 # The threshold cascade at every exit, the full exit head and no n-gram tier: tests of the cascade itself pin these,
 # so that the cost policy (which decides from measured times) and the n-gram tier cannot change what they check
-# (batches: the synchronous design, the one whose verify passes draft from exits).
-CASCADE = dict(policy="fixed", ngram_tier=False, draft_vocab_size=0, batch_design="synchronous")
+# (batches: the synchronous design, the one whose verify passes draft from exits). In exit mode an exited token is
+# final at once (holdback 0), so that these tests see the cascade's own tokens; tests/test_exit_repair.py checks the
+# repairs that the default holdback makes.
+CASCADE = dict(policy="fixed", ngram_tier=False, draft_vocab_size=0, batch_design="synchronous", holdback=0)
 NEVER_EXIT = dict(high_conf_threshold=1.0, low_conf_threshold=1.0, entropy_threshold=0.0, **CASCADE)
 ALWAYS_EXIT = dict(high_conf_threshold=0.0, low_conf_threshold=0.0, **CASCADE)
 # Shallow confidences of the tiny models sit around 0.04-0.13 (96-token vocabulary): this threshold mixes depths.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.bench.bench import CONTROL, ENGINE_CONTROL, BenchConfig, run_bench
+from early_exit_router.bench.bench import CONTROL, ENGINE_CONTROL, NO_REPAIR, BenchConfig, run_bench
 from early_exit_router.bench.trace import render_trace, trace_legend
 from early_exit_router.cli import main
 from early_exit_router.routing.costs import cpu_model
@@ -124,6 +124,8 @@ def test_calibrate_meets_its_target_on_its_calibration_split(method):
         # fixed-sequence testing: the valid candidates are a prefix of the conservative-first order
         assert result.candidates[: len(valid)] == valid
     assert router.config.high_conf_threshold == router.config.low_conf_threshold == result.chosen_threshold
+    # exit mode is swept without repairs, so the exit rule's own misses show; the router's holdback is back after
+    assert any(c.disagreements for c in result.candidates) and router.config.holdback is None
     assert set(result.heldout) >= {"agreement", "nll_ratio", "speedup", "meets_target"}
     assert "held out" in result.table()
 
@@ -206,6 +208,7 @@ def test_cli_generate_trace_bench_and_calibrate(tiny_folder, tmp_path, capsys):
         CONTROL,
         ENGINE_CONTROL,
         "router exit (loaded config)",
+        NO_REPAIR,
         "router exit @0.05",
     }
 
@@ -526,3 +529,121 @@ def test_other_heads_for_the_same_base_run_beside_the_loaded_ones_in_one_process
             run_bench(router, PROMPTS[:1], cfg, progress=False, others={"wrong": wrong})
     args = ["bench", "--model", str(tmp_path / "none"), "--compare-heads", str(tmp_path), "--out", str(tmp_path / "o")]
     assert main(args) == 2 and "not a saved router folder" in capsys.readouterr().err
+
+
+def test_prompts_with_a_check_are_scored_correct_from_the_decoded_answer_and_summarized_per_arm():
+    from early_exit_router.bench.checks import check_answer
+
+    router = tiny_router(high_conf_threshold=0.05)
+    cfg = BenchConfig(max_new_tokens=6, thresholds=(0.05,), modes=("exit",), prompt_lookup_num_tokens=0,
+                      assistant_early_exit=(), ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
+    ids = router.encode(PROMPTS[0]["prompt"])
+    with router.disabled() as model:  # the control's first word: a check that plain greedy passes
+        first = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)[0, -1]
+    passes = {"kind": "contains", "all": [router.tokenizer.decode([int(first)])]}
+    fails = {"kind": "contains", "all": ["w96"]}  # outside the tiny vocabulary: never produced
+    prompts = [{**PROMPTS[0], "check": passes}, {**PROMPTS[1], "check": fails}, PROMPTS[2]]  # the third: no check
+    result = run_bench(router, prompts, cfg, progress=False)
+    checks = {item["id"]: item.get("check") for item in prompts}
+    for record in result.records:
+        if checks[record.prompt_id] is None:
+            assert "correct" not in record.quality
+        else:
+            text = router.tokenizer.decode(record.new_ids, skip_special_tokens=True)
+            assert record.quality["correct"] == check_answer(checks[record.prompt_id], text)
+    by_arm = {(row["category"], row["arm"]): row for row in result.summary}
+    control = by_arm[("all", CONTROL)]
+    assert (control["correct"], control["checked"]) == (1, 2)
+    for (category, _), row in by_arm.items():
+        runs = [r for r in result.records if r.arm == row["arm"] and category in ("all", r.category)]
+        verdicts = [r.quality["correct"] for r in runs if "correct" in r.quality]
+        assert (row["correct"], row["checked"]) == ((sum(verdicts), len(verdicts)) if verdicts else (None, None))
+        assert row["control_checked"] == row["checked"]  # the control's count over the same prompts, in every row
+    assert by_arm[("all", "router exit @0.05")]["control_correct"] == 1
+    markdown = result.markdown()
+    assert "correct = answers that pass their prompt's check" in markdown and "| identical | correct |" in markdown
+    assert "| plain HF generate |" in markdown and "| 1/2 |" in markdown.split("### all")[1]
+    with pytest.raises(ValueError, match="Prompt 't1': Check .*unknown kind 'regex'"):
+        run_bench(router, [{**PROMPTS[0], "check": {"kind": "regex"}}], cfg, progress=False)
+    unchecked = run_bench(router, PROMPTS[:1], cfg, progress=False)  # no checks: no column, no counts
+    assert unchecked.summary[0]["checked"] is None and "| correct |" not in unchecked.markdown()
+
+
+def test_the_report_sets_each_lossy_arms_correct_answers_and_divergence_beside_the_controls():
+    """Plain greedy 13/14 correct, exit mode 9/14: per arm whose outputs differ from the control's, how many
+    differ, where they first differ on average, ROUGE-L, and the correct answers beside the control's."""
+    from early_exit_router.bench.bench import Arm, RunRecord, summarize
+    from early_exit_router.bench.report import format_markdown
+
+    arms = [Arm(CONTROL, "plain", family="control"), Arm("router exit (loaded config)", "router", "exit"),
+            Arm("router verify (loaded config)", "router", "verify")]  # fmt: skip
+    records = []
+    for k in range(14):
+        for arm in arms:
+            differs = arm.mode == "exit" and k < 6  # 6 outputs differ, first at tokens 10, 11, ... 15
+            records.append(RunRecord(f"p{k}", "checkable", arm.name, 0, [5] * 20, 1.0, 0.1, [0.05] * 19, None,
+                                     None, None, quality={
+                "identical": not differs, "token_match": 0.5 if differs else 1.0,
+                "first_divergence": 10 + k if differs else None, "disagreements": 1 if differs else 0,
+                "nll_ratio": 1.0, "rouge_l": 0.5 if differs else 1.0,
+                "correct": k != 13 and not (arm.mode == "exit" and k < 4),  # control 13/14, exit 9/14
+            }))  # fmt: skip
+    summary = summarize(records, arms)
+    rows = {(row["category"], row["arm"]): row for row in summary}
+    exit_row = rows[("all", "router exit (loaded config)")]
+    assert (exit_row["correct"], exit_row["checked"], exit_row["control_correct"]) == (9, 14, 13)
+    assert exit_row["first_divergence_mean"] == pytest.approx(12.5) and exit_row["first_divergence_median"] == 12.5
+    assert exit_row["rouge_l"] == pytest.approx((6 * 0.5 + 8) / 14)
+    assert rows[("all", CONTROL)]["first_divergence_mean"] is None
+    meta = {"model": "tiny", "machine": "cpu", "dtype": "float32", "torch": "x", "transformers": "y", "prompts": 14,
+            "bench_config": {"max_new_tokens": 20, "repeats": 1}, "num_layers": 6}  # fmt: skip
+    section = format_markdown(meta, summary).split("### all")[1]
+    assert "| 13/14 |" in section and "| 9/14 |" in section
+    lines = [line for line in section.splitlines() if line.startswith("- ")]
+    assert lines == [  # the lossless arms, identical throughout, get no line
+        "- router exit (loaded config): 6/14 outputs differ, first at token 12.5 on average; ROUGE-L 0.79; "
+        "correct 9/14 (plain HF generate: 13/14)."
+    ]
+    new_keys = ("correct", "checked", "control_correct", "control_checked", "first_divergence_mean")
+    old = [{k: v for k, v in row.items() if k not in new_keys} for row in summary]
+    assert "| correct |" not in format_markdown(meta, old)  # a bench.json from before the checks still renders
+
+
+def test_the_bench_command_refuses_a_malformed_check_before_the_model_loads(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({**PROMPTS[0], "check": {"kind": "sequence", "item": ["w5"]}}) + "\n")
+    args = ["bench", "--model", str(tmp_path / "no-such-model"), "--prompts", str(prompts), "--out", str(tmp_path)]
+    assert main(args) == 2
+    assert "prompt 't1': Check" in capsys.readouterr().err  # said before any model is looked for
+
+
+def test_the_report_counts_exit_modes_repairs_per_arm():
+    from early_exit_router.bench.bench import Arm, RunRecord, summarize
+    from early_exit_router.bench.report import format_markdown
+
+    arms = [Arm(CONTROL, "plain", family="control"), Arm("router exit (loaded config)", "router", "exit"),
+            Arm(NO_REPAIR, "router", "exit", {"holdback": 0})]  # fmt: skip
+    quality = {"identical": True, "token_match": 1.0, "first_divergence": None, "disagreements": 0, "nll_ratio": 1.0,
+               "rouge_l": 1.0}  # fmt: skip
+    records = []
+    for k in range(3):
+        for arm in arms:
+            stats = None
+            if arm.kind == "router":
+                repaired, released = (k + 1, 0) if arm.overrides == {} else (0, 0)
+                stats = {"exit_histogram": {"4": 2, "29": 18}, "hit_rate": 0.1, "new_tokens": 20, "plain_share": 0.0,
+                         "routing_overhead": 0.01, "policy_cycles": {}, "repaired_tokens": repaired,
+                         "released_unchecked": released}  # fmt: skip
+            records.append(RunRecord(f"p{k}", "list", arm.name, 0, [5] * 20, 1.0, 0.1, [0.05] * 19, None, None, stats,
+                                     quality=dict(quality)))  # fmt: skip
+    summary = summarize(records, arms)
+    rows = {(row["category"], row["arm"]): row for row in summary}
+    assert rows[("all", "router exit (loaded config)")]["repaired_tokens"] == 6
+    assert rows[("all", NO_REPAIR)]["repaired_tokens"] == 0 and rows[("all", CONTROL)]["repaired_tokens"] == 0
+    meta = {"model": "tiny", "machine": "cpu", "dtype": "float32", "torch": "x", "transformers": "y", "prompts": 3,
+            "bench_config": {"max_new_tokens": 20, "repeats": 1}, "num_layers": 30}  # fmt: skip
+    section = format_markdown(meta, summary).split("### all")[1]
+    assert "- router exit (loaded config): 6 wrong exited tokens repaired before release, 0 released unchecked." in (
+        section.splitlines()
+    )
+    assert NO_REPAIR + ":" not in section  # nothing repaired, nothing released: no line

@@ -477,6 +477,7 @@ def count_asks(probe_interval: int, costs: CostModel, **overrides):
         probe_interval=probe_interval,
         high_conf_threshold=0.0,
         low_conf_threshold=0.0,
+        holdback=0,  # exited tokens final at once: every ask is one token's (repairs would ask again)
         **overrides,
     )
     router.cost_model = costs

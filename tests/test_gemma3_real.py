@@ -36,6 +36,11 @@ def test_gemma3_270m_never_exit_and_verify_match_hf_greedy():
     out = router.generate(ids, max_new_tokens=12, mode="verify")
     assert torch.equal(out.sequences, ref)
     assert_cache_matches_full_forward(router.model, out.sequences, out.cache, atol=1e-3)
+    # exit mode's repairs roll back through Gemma's sliding-window layers too: the untrained lens exits often and
+    # wrongly, and every wrong token is replaced before release
+    out = router.generate(ids, max_new_tokens=12, mode="exit", config={"policy": "fixed", "ngram_tier": False})
+    assert torch.equal(out.sequences, ref) and out.stats.repaired_tokens > 0
+    assert_cache_matches_full_forward(router.model, out.sequences, out.cache, atol=1e-3)
 
 
 def test_gemma3_270m_default_config_is_lossless_with_its_262k_head():

@@ -74,11 +74,22 @@ def test_exit_mode_fills_the_cache_exactly_on_the_real_model(smol):
     assert_cache_matches_full_forward(smol.model, out.sequences, out.cache, atol=3e-4)  # fp32 rounding, as above
 
 
+def test_exit_mode_repairs_the_list_it_once_got_wrong(smol):
+    """The README's example: exit mode with the shipped heads once listed Monday twice. The deep pass sees a wrong
+    exited token before it reaches the caller and repairs it, so the list is the full model's, day for day."""
+    ids = smol.encode("List the seven days of the week.", chat=True)
+    with smol.disabled() as plain:
+        ref = plain.generate(ids, max_new_tokens=48, do_sample=False)
+    out = smol.generate(ids, max_new_tokens=48, mode="exit")
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.hit_rate > 0 and out.stats.released_unchecked == 0 and out.stats.output_agreement == 1.0
+
+
 def test_exit_agreement_is_teacher_forced_agreement_of_the_final_early_tokens(smol):
     """The shipped config in exit mode on a conversion: the n-gram tier copies and is partly rejected (a speed cost,
     counted in the draft acceptance), and the exit agreement is what teacher forcing finds on the exited tokens."""
     ids = smol.encode("Convert to JSON: name = Alice, age = 30, city = Paris, job = engineer.", chat=True)
-    out = smol.generate(ids, max_new_tokens=48, mode="exit")
+    out = smol.generate(ids, max_new_tokens=48, mode="exit", config={"holdback": 0})  # exited tokens final at once
     s = out.stats
     assert s.exit_checked > 5 and s.rejected_drafts > 0 and s.draft_acceptance_by_layer[-1] < 1, s
     with smol.disabled() as plain:

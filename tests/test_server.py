@@ -153,8 +153,11 @@ def test_per_request_routing_options(server):
     block = response.model_extra["early_exit"]
     assert block["mode"] == "exit" and block["exit_checked"] >= 0
     assert block["exit_agreement"] is None or 0 <= block["exit_agreement"] <= 1
+    assert block["released_unchecked"] == 0 and block["repaired_tokens"] >= 0  # the default holdback: none unchecked
     status, body, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "early_exit": {"exit_layers": [1]}})
     assert status == 400 and "exit_layers" in body["error"]["message"]
+    status, body, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "early_exit": {"holdback": -1}})
+    assert status == 400 and "holdback" in body["error"]["message"]
 
 
 def test_concurrent_streaming_clients_get_their_own_text(server, smol):

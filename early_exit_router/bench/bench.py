@@ -5,8 +5,8 @@ the same prompts, the same hardware and the same decoding parameters, interleave
 rotates between prompts and repeats, so no arm always runs first). Arms:
 
 - the control, and the router with its exits switched off (the cost or gain of our own decode loop);
-- the router at its loaded config (the default that `generate` uses), and in each mode over a sweep of
-  confidence-only thresholds (`@t`: exit when the head's max probability is at least t);
+- the router at its loaded config (the default that `generate` uses; exit mode also without repairs, holdback 0),
+  and in each mode over a sweep of confidence-only thresholds (`@t`: exit when the head's max probability >= t);
 - the n-gram tier alone (exits off), so the exits must earn their place against it in the same run, and the fixed
   threshold cascade without the n-gram tier (how the router decoded before the cost policy);
 - HF assisted generation with `assistant_early_exit=E` (the model's own first E layers and its LM head draft);
@@ -45,7 +45,7 @@ from transformers.utils import logging as hf_logging
 from early_exit_router.bench.compute import ComputeMeter
 from early_exit_router.bench.copy_ceiling import copy_ceilings
 from early_exit_router.bench.prompts import encode_record, request_units
-from early_exit_router.bench.quality import score_quality
+from early_exit_router.bench.quality import correct_fields, score_quality
 from early_exit_router.bench.report import format_markdown, plot_tradeoff
 from early_exit_router.bench.timing import ArrivalStreamer, latencies, peak_memory_mb, reset_peak_memory
 from early_exit_router.heads.checkpoint import base_identity
@@ -53,6 +53,7 @@ from early_exit_router.routing.costs import cpu_model
 
 CONTROL = "plain HF generate"
 ENGINE_CONTROL = "router, exits off"
+NO_REPAIR = "router exit, no repair (holdback 0)"
 
 
 @dataclass
@@ -110,6 +111,8 @@ def build_arms(router: Any, cfg: BenchConfig, others: Sequence[str] = ()) -> lis
     for mode in cfg.modes:
         if cfg.loaded_config:
             arms.append(Arm(f"router {mode} (loaded config)", "router", mode, family=f"router {mode}, loaded config"))
+        if cfg.loaded_config and mode == "exit":  # what the repairs cost and buy: exited tokens final at once
+            arms.append(Arm(NO_REPAIR, "router", mode, {"holdback": 0}, family="router exit, no repair"))
         for t in sorted(cfg.thresholds, reverse=True):
             overrides = threshold_overrides(t)
             arms.append(Arm(f"router {mode} @{t:g}", "router", mode, overrides, family=f"router {mode}", threshold=t))
@@ -417,10 +420,15 @@ def summarize(records: list[RunRecord], arms: list[Arm]) -> list[dict[str, Any]]
                     "identical": sum(r.quality["identical"] for r in runs),
                     "token_match": _mean([r.quality["token_match"] for r in runs]),
                     "first_divergence_median": statistics.median(divergences) if divergences else None,
+                    "first_divergence_mean": _mean(divergences),  # over the runs that differ from the control
                     "teacher_forced_agreement": 1 - sum(r.quality["disagreements"] for r in runs) / max(1, tokens),
                     "reference_agreement": _reference_agreement(runs, tokens),
                     "nll_ratio": _mean([r.quality["nll_ratio"] for r in runs]),
                     "rouge_l": _mean([r.quality["rouge_l"] for r in runs]),
+                    # exit mode: wrong exited tokens replaced before release, and exited tokens released unchecked
+                    "repaired_tokens": sum(s.get("repaired_tokens", 0) for s in stats),
+                    "released_unchecked": sum(s.get("released_unchecked", 0) for s in stats),
+                    **correct_fields(runs, control),
                 }
             )
     return rows

@@ -38,6 +38,11 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
             f" {meta['reference_dtype']} agr. = teacher-forced agreement with the model in {meta['reference_dtype']}."
             if meta.get("reference_dtype")
             else ""
+        )
+        + (
+            " correct = answers that pass their prompt's check (`bench/checks.py`), of the runs on prompts with one."
+            if _checked(summary)
+            else ""
         ),
     ]
     columns = [
@@ -47,6 +52,9 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
     reference = meta.get("reference_dtype")
     if reference:
         columns.insert(columns.index("agreement") + 1, f"{reference} agr.")
+    checked = _checked(summary)
+    if checked:
+        columns.insert(columns.index("identical") + 1, "correct")
     num_layers = meta["num_layers"]
     packed = bool(meta.get("packed_weights"))  # plain steps from prepacked weights: the loop alone is faster than HF
     for category in dict.fromkeys(row["category"] for row in summary):
@@ -67,6 +75,7 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
                 format_value(row["token_match"]),
                 format_value(row["first_divergence_median"], ".0f"),
                 f"{row['identical']}/{row['runs']}",
+                *([_share(row.get("correct"), row.get("checked"))] if checked else []),
                 format_value(row["ttft_ms"], ".0f"),
                 f"{format_value(row['itl_p50_ms'], '.0f')}/{format_value(row['itl_p99_ms'], '.0f')}",
                 format_value(row["routing_overhead"], ".1%"),
@@ -75,6 +84,8 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
                 format_value(row["peak_memory_mb"], ".0f"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
+        lines += _differing_outputs(rows)
+        lines += _repairs(rows)
         lines += _noise_band(rows, packed)
         lines += _exits_added(rows, num_layers)
         lines += _heads_compared(rows, num_layers)
@@ -86,6 +97,51 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
 
         lines += ["", "### cost model the policy decided from", "", CostModel.from_dict(meta["cost_model"]).markdown()]
     return "\n".join(lines)
+
+
+def _checked(summary: list[dict[str, Any]]) -> bool:
+    """Whether any prompt of the run carried a check (the table then has a "correct" column)."""
+    return any(row.get("checked") for row in summary)
+
+
+def _share(count: int | None, total: int | None) -> str:
+    """'9/14', or an en dash where nothing was counted."""
+    return "–" if not total else f"{count}/{total}"
+
+
+def _differing_outputs(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per arm whose outputs are not all identical to the control's: how many differ, where they first
+    differ on average, their ROUGE-L against the control's, and (with checks) how many answers are correct beside
+    the control's count; the free-running quality of a lossy arm that teacher-forced agreement does not show."""
+    control = next((r for r in rows if r.get("family") == "control"), None)
+    name = control["arm"] if control else "the control"
+    lines = []
+    for row in rows:
+        if row is control or row["identical"] >= row["runs"]:
+            continue
+        line = f"- {row['arm']}: {row['runs'] - row['identical']}/{row['runs']} outputs differ"
+        if row.get("first_divergence_mean") is not None:
+            line += f", first at token {row['first_divergence_mean']:.1f} on average"
+        line += f"; ROUGE-L {format_value(row['rouge_l'])}"
+        if row.get("checked"):
+            line += f"; correct {_share(row['correct'], row['checked'])}"
+            if row.get("control_checked"):
+                line += f" ({name}: {_share(row['control_correct'], row['control_checked'])})"
+        lines.append(line + ".")
+    if not lines:
+        return []
+    return ["", f"Outputs that differ from {name}'s (token positions count from the first new token):", "", *lines]
+
+
+def _repairs(rows: list[dict[str, Any]]) -> list[str]:
+    """Exit mode's arms: the exited tokens the fill pass replaced before release, and those released unchecked."""
+    lines = [
+        f"- {row['arm']}: {row['repaired_tokens']} wrong exited tokens repaired before release, "
+        f"{row.get('released_unchecked', 0)} released unchecked."
+        for row in rows
+        if row.get("repaired_tokens") or row.get("released_unchecked")
+    ]
+    return ["", "Exit mode's repairs:", "", *lines] if lines else []
 
 
 def _noise_band(rows: list[dict[str, Any]], packed: bool = False) -> list[str]:

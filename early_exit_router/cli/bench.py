@@ -32,7 +32,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "routing, compute, quality against the control) and writes JSON and a PNG plot.",
     )
     bench.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
-    bench.add_argument("--prompts", default=None, help="JSONL: id, category, kind (text|chat), prompt (default: dev).")
+    bench.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL: id, category, kind (text|chat), prompt, optional check (bench/checks.py) (default: dev).",
+    )
     bench.add_argument("--max-new-tokens", type=int, default=64, help="New tokens per prompt (default: %(default)s).")
     bench.add_argument(
         "--repeats",
@@ -95,10 +99,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     from early_exit_router.api import EarlyExitRouter
     from early_exit_router.bench.bench import BenchConfig, run_bench
+    from early_exit_router.bench.checks import validate_check
     from early_exit_router.training.corpus import DEV_PROMPTS
 
     # The files first: a mistake in them is reported before the model loads, not after.
     prompts = read_prompts(args.prompts, DEV_PROMPTS, ("id", "category", "kind", "prompt"))
+    for item in prompts:  # a prompt's answer check (`bench/checks.py`), refused before the model loads
+        if item.get("check") is not None:
+            try:
+                validate_check(item["check"])
+            except ValueError as exc:
+                raise ValueError(f"--prompts {args.prompts}, prompt {item['id']!r}: {exc}") from None
     check_out_folder(args.out)
     labels = _compared_heads(args.compare_heads)
     router = EarlyExitRouter.from_pretrained(args.model, **load_options(args), **router_overrides(args))

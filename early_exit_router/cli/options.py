@@ -52,6 +52,8 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
         group.add_argument(flag, type=int_list, default=None, metavar="E1,E2", help=help_text)
     elif f.name == "exit_adapters":
         group.add_argument(flag, type=kind_map, default=None, metavar="E1:KIND,E2:KIND", help=help_text)
+    elif f.name == "holdback":  # None by default (nothing unchecked reaches the caller): a count when given
+        group.add_argument(flag, type=int, default=None, metavar="K", help=help_text)
     elif f.type in ("bool", bool):
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     elif f.name in CHOICES:

@@ -131,6 +131,8 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
             ok = [True] * a + ([False] if a < count else [])
             if a < count:
                 _judge_alternatives(dec, row, first + a, pick[a])
+        if False in ok and dec.mode == "exit" and _exited(dec, row, first + len(ok) - 1):
+            row.counters.repaired += 1  # an exited token the caller never saw: the full model's replaces it
         counts.append(count)
         verdicts.append(ok)
         picks.append(pick)
@@ -162,7 +164,13 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
             dec.slots.hole(r, first + kept_rows[r] + 1, keep)
     _judge_proposals(dec, accepted, ids)
     verified = sum(kept + (t is not None) for kept, t, row in zip(kept_rows, ids, dec.rows) if not row.done)
-    dec.routing.quality.add_tokens(0, verified)  # accepted drafts and the full model's token: they agree
+    # Accepted drafts and the full model's token agree with it. Exit mode's controller counts the kept exited tokens
+    # as early: the disagreement it holds to the target is then the rate of repairs (`judge`).
+    early = 0
+    if dec.mode == "exit":
+        early = sum(_exited(dec, row, first + j) for row, kept in zip(dec.rows, kept_rows) if not row.done
+                    for j in range(kept))  # fmt: skip
+    dec.routing.quality.add_tokens(early, verified - early)
     if any(t is not None for t in ids):
         device = logits.device
         tokens = torch.tensor([dec.pad_token_id if t is None else t for t in ids], device=device)
@@ -181,6 +189,12 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
     dec.cycle = None
     if dec.per_row:
         batching.maybe_compact(dec)
+
+
+def _exited(dec: DecodeState, row: Row, slot: int) -> bool:
+    """Whether `row`'s draft predicted from `slot` left at an exit (not an n-gram copy)."""
+    draft = row.drafts.get(slot)
+    return draft is not None and draft.tier < len(dec.exits)
 
 
 def _next_token(pick: list[int] | int | None, kept: int) -> int | None:
@@ -251,8 +265,11 @@ def _scores(dec: DecodeState, r: int, row: Row, logits: torch.Tensor, first: int
 def judge(dec: DecodeState, first: int, offsets: list[int] | None, verdicts: list[list[bool]], final: bool) -> None:
     """Book the deep pass's verdicts on each row's drafts (at `offsets` from slot `first`, default 0, 1, ...) in the
     acceptance estimates and per tier: on early tokens that stay `final` (exit mode's checks), whose agreement is the
-    quality the rolling monitor watches and the threshold controller steers, or on drafts a verify cycle judged."""
+    quality the rolling monitor watches and the threshold controller steers, or on drafts a verify cycle judged.
+    Exit mode's exited tokens that a verify cycle judged (repaired where refused) are the controller's evidence too:
+    it then holds the rate of repairs, as it holds the rate of final disagreements without them."""
     seen: list[bool] = []
+    exited: list[bool] = []
     for row, oks in zip(dec.rows, verdicts):
         counts = (row.counters.checked, row.counters.agreed) if final else (row.counters.judged, row.counters.accepted)
         for offset, ok in zip(offsets if offsets is not None else range(len(oks)), oks):
@@ -263,7 +280,11 @@ def judge(dec: DecodeState, first: int, offsets: list[int] | None, verdicts: lis
             counts[0][draft.tier] += 1
             counts[1][draft.tier] += int(ok)
             seen.append(bool(ok))
-    if seen and final:
+            if dec.mode == "exit" and draft.tier < len(dec.exits):
+                exited.append(bool(ok))
+    if not final:
+        seen = exited
+    if seen:
         dec.monitor.observe(seen)
         dec.routing.quality.add_checks(seen)
         dec.rule.adjust(dec.routing)

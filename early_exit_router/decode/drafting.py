@@ -127,13 +127,16 @@ def try_exit(
         tokens = choose(dec, q + 1, logits)
     ids = [int(t) for t in chosen] if chosen else tokens.tolist()
     dec.fill.park(i, hidden)
-    verified = dec.mode == "verify" or dec.cycle is not None
+    # Exit mode with a holdback: the token is a draft the next deep pass repairs unless it reached the caller first
+    # (`emit.release`); with none, it is final at once.
+    verified = dec.mode == "verify" or dec.cycle is not None or dec.config.holdback != 0
     if verified and dec.cycle is None:
         dec.cycle = VerifyCycle(q)
     for r, row in enumerate(dec.rows):
         if not row.done:
             others = tuple(int(t) for t in ranked if int(t) != ids[r])[:alternatives]
-            sampled = not verified and row.selector.params.do_sample  # the noise it was drawn with, for the check
+            # exit mode: the noise it was drawn with, for the check should it become final unverified
+            sampled = dec.mode == "exit" and row.selector.params.do_sample
             noise = row.noise_at(len(row.new_tokens), logits.shape[-1]) if sampled else None
             row.drafts[q] = Draft(i, key or ("exit", i), others, noise)
     append(dec, tokens, ids, dec.exits[i], None if trimmed else logits)

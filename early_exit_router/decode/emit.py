@@ -86,17 +86,44 @@ def append(
         dec.routing.quality.add_tokens(landed if early else 0, 0 if early else landed)
 
 
-def make_final(dec: DecodeState) -> None:
-    """Every row's tokens are final now (a deep pass has verified them): the caller's stopping criteria see each
-    newly final token once, in order, up to a stop, which then holds."""
+def make_final(dec: DecodeState, upto: list[int] | None = None) -> None:
+    """Every row's tokens are final now (a deep pass has verified them), or its first `upto[r]` (prompt included:
+    `release`): the caller's stopping criteria see each newly final token once, in order, up to a stop, which then
+    holds."""
     for r, row in enumerate(dec.rows):
+        final = len(row.tokens) if upto is None else min(upto[r], len(row.tokens))
         if not row.done and row.request.stopping_criteria is not None:
             end = len(row.new_tokens) if row.stop_at is None else row.stop_at
-            for j in range(max(row.final - row.prompt_len, 0), end):
+            for j in range(max(row.final - row.prompt_len, 0), min(end, final - row.prompt_len)):
                 if criteria_stop(row.request, lambda r=r, j=j: ids_through(dec, r, j + 1)):
                     row.stop_at = j + 1
                     break
-        row.final = len(row.tokens)
+        row.final = max(row.final, final)
+
+
+def release(dec: DecodeState) -> None:
+    """Exit mode with a `holdback` of k > 0: the oldest exited tokens of the verify cycle beyond the newest k reach
+    the caller unchecked. They become final (streamed, seen by the stopping criteria), the cycle starts after them,
+    and the deep pass only checks them (`deep._check_exits`) instead of repairing them. An n-gram copy is verified
+    before it is released, and the exited tokens after it wait with it."""
+    held, cycle = dec.config.holdback, dec.cycle
+    if dec.mode != "exit" or not held or cycle is None:
+        return
+    newest, start = dec.slots.length - 1, cycle.start
+    active = [row for row in dec.rows if not row.done]
+    while newest - start > held:  # unverified tokens sit at slots start + 1 .. newest
+        drafts = [row.drafts.get(start) for row in active]
+        if not drafts or any(d is None or d.tier >= len(dec.exits) for d in drafts):
+            break
+        start += 1
+    released = start - cycle.start
+    if not released:
+        return
+    cycle.start = start
+    for row in active:
+        row.counters.released += released
+    dec.routing.quality.add_tokens(released * len(active), 0)  # early tokens final unverified, as at `append`
+    make_final(dec, [row.prompt_len + start + 1 - row.start for row in dec.rows])
 
 
 def stop_slot(dec: DecodeState) -> int | None:
@@ -107,8 +134,9 @@ def stop_slot(dec: DecodeState) -> int | None:
 
 
 def settle(dec: DecodeState) -> None:
-    """Stream each row's final tokens; a row whose stop is final is done: its streamer ends, and its text goes to
-    the n-gram store."""
+    """Release what exit mode's holdback lets through (`release`) and stream each row's final tokens; a row whose stop
+    is final is done: its streamer ends, and its text goes to the n-gram store."""
+    release(dec)
     ended = []
     for row in dec.rows:
         if row.done:

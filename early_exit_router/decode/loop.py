@@ -165,8 +165,9 @@ class Decoder(DecodeState):
             raise ValueError("Block adapters keep a context per sequence: consult other exits in batches.")
         cache = self.stack.new_cache()
         cfg = self.config
-        if self.mode == "verify" or cfg.ngram_tier or self.costs is not None:  # (unverified copies: see append_ngram)
-            _compat.prepare_for_rollback(cache)  # sliding layers keep what a rollback may need
+        # sliding layers keep what a rollback may need (drafts, repairs, unverified copies too: see append_ngram)
+        if self.mode == "verify" or cfg.holdback != 0 or cfg.ngram_tier or self.costs is not None:
+            _compat.prepare_for_rollback(cache)
         blocks = {i: BlockContext() for i in self.block_exits}
         self.fill = LayerwiseFill(self.stack, self.heads, self.exits, cache, blocks, self.costs)
         capacity = n + min(max(r.max_new_tokens for r in requests), SLOTS_AHEAD) + cfg.max_pending + cfg.ngram_draft + 2

@@ -42,6 +42,11 @@ class GenerationStats:
     # 1: only final early tokens can disagree), and why exits stopped when no threshold held target_agreement.
     output_agreement: float | None = None
     exits_suspended: str | None = None
+    # Exit mode: exited tokens the deep pass found wrong before they reached the caller, replaced by the full model's
+    # token (the output rolled back there), and exited tokens the holdback released unchecked (0 with holdback None:
+    # every exited token was checked first, and greedy output is the full model's).
+    repaired_tokens: int = 0
+    released_unchecked: int = 0
     deep_passes: int = 0  # decode-time passes through the last layer (the prompt's prefill excluded)
     mean_fill_chunk: float = 0.0  # mean positions per deep pass (1 = no exited token waited)
     forced_deep: int = 0  # deep passes forced by the window rules
@@ -86,6 +91,8 @@ class GenerationStats:
             f"exit agreement {self.exit_agreement:.3f} over {self.exit_checked} checked final early tokens"
             if self.exit_agreement is not None
             else "exit agreement n/a (no final early token checked)"
+            if self.mode != "exit" or self.released_unchecked
+            else "every exited token checked before release"
         ) + ("" if self.output_agreement is None else f" (output agreement {self.output_agreement:.3f})")
         speed = (
             f"draft acceptance {self.draft_acceptance:.3f} over {self.drafts_judged} drafts"
@@ -101,7 +108,7 @@ class GenerationStats:
                 f"prefill {self.prefill_s * 1000:.0f} ms)",
                 f"exit histogram: {hist}",
                 f"hit rate {self.hit_rate:.3f}; "
-                + (f"{quality}; " if self.mode != "verify" else "")
+                + (f"{quality}; {self._repairs()}; " if self.mode == "exit" else "")
                 + speed
                 + (
                     f"; rejected drafts {self.rejected_drafts}, mean accepted length {self.mean_accepted_length:.2f}"
@@ -133,6 +140,11 @@ class GenerationStats:
             )
         )
 
+    def _repairs(self) -> str:
+        """Exit mode: what the deep pass repaired before the caller saw it, and what reached the caller unchecked."""
+        unchecked = f"{self.released_unchecked} released unchecked" if self.released_unchecked else "none unchecked"
+        return f"repaired {self.repaired_tokens} exited tokens, {unchecked}"
+
 
 @dataclass
 class RowCounters:
@@ -145,6 +157,8 @@ class RowCounters:
     accepted: list[int]  # ... and of them, those the deep pass accepted
     rejected: int = 0  # drafts the deep pass replaced (one per rejection)
     verify_passes: int = 0  # deep passes that judged at least one of this row's drafts
+    repaired: int = 0  # exit mode: exited tokens the deep pass replaced before they reached the caller
+    released: int = 0  # exit mode: exited tokens that reached the caller unchecked (the holdback's)
 
     @classmethod
     def for_tiers(cls, tiers: int) -> RowCounters:
@@ -262,6 +276,8 @@ def row_stats(
         mean_fill_chunk=passes.fill_positions / passes.deep_passes if passes.deep_passes else 0.0,
         forced_deep=passes.forced,
         rejected_drafts=c.rejected,
+        repaired_tokens=c.repaired,
+        released_unchecked=c.released,
         mean_accepted_length=sum(c.accepted) / c.verify_passes if c.verify_passes else 0.0,
         verify_passes=c.verify_passes,
         min_rolling_agreement=monitor.minimum if checked >= monitor.window else None,
@@ -347,6 +363,8 @@ def combined_stats(rows: list[GenerationStats], one_after_another: bool = False)
         mean_fill_chunk=longest.mean_fill_chunk if positions is None else positions / max(deep_passes, 1),
         forced_deep=shared("forced_deep"),
         rejected_drafts=sum(r.rejected_drafts for r in rows),
+        repaired_tokens=sum(r.repaired_tokens for r in rows),
+        released_unchecked=sum(r.released_unchecked for r in rows),
         mean_accepted_length=accepted / verify_passes if verify_passes else 0.0,
         verify_passes=verify_passes,
         min_rolling_agreement=longest.min_rolling_agreement,  # one monitor watches the batch

@@ -27,9 +27,9 @@ from early_exit_router.models.sizes import tensor_bytes
 
 DRAFT_RANKING = "draft_ranking"  # state_dict key of ExitHeads' token ranking for the trimmed draft head
 UNTRAINED_EXIT_MODE = (
-    "Exit mode with UNTRAINED exit heads (the logit lens): shallow layers of off-the-shelf models are confidently "
-    "wrong, so exited tokens often differ from the full model's. Load trained heads, or use mode='verify' for output "
-    "identical to the full model."
+    "Exit mode with UNTRAINED exit heads (the logit lens) and a holdback that releases exited tokens unchecked: "
+    "shallow layers of off-the-shelf models are confidently wrong, so exited tokens often differ from the full "
+    "model's. Load trained heads, or keep holdback=None (every exited token checked, wrong ones repaired)."
 )
 
 

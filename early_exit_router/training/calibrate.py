@@ -5,7 +5,8 @@ Method (documented in docs/training.md, "Calibration"):
 1. Split the prompts into a calibration half and a held-out half (alternating within each category).
 2. On the calibration half, run the control (plain HF greedy) and the router at every candidate threshold t
    (the confidence rule alone: `high_conf_threshold = low_conf_threshold = t`), side by side
-   (`bench.run_bench`), and score every output with the full model.
+   (`bench.run_bench`), and score every output with the full model. Exit mode runs without repairs here, so that
+   the score is the exit rule's own disagreement (see `calibrate`).
 3. Keep the candidates that meet the target on the calibration half, and pick the fastest of them (measured
    speedup, or compute per token with `objective="compute"`). A candidate whose speed the run cannot tell from
    the fastest's (per prompt, the log of its tokens/s over the fastest's averages within `speed_tie_z` standard
@@ -209,7 +210,27 @@ def calibrate(
 
     Returns the result whatever happens; `chosen_threshold` is None (and the router unchanged) when no candidate
     meets the target.
+
+    Exit mode is measured without repairs (`holdback` 0 for the sweep and the held-out check, the router's own
+    restored after): the output's teacher-forced disagreement then measures the exit rule itself, the rate the
+    threshold controller holds (the rate of repairs under the default holdback, of wrong tokens released otherwise).
     """
+    held = router.config.holdback
+    if cfg.mode == "exit":
+        router.config = router.config.replace(holdback=0)
+    try:
+        return _calibrate(router, calibration_prompts, heldout_prompts, cfg, progress)
+    finally:
+        router.config = router.config.replace(holdback=held)
+
+
+def _calibrate(
+    router: Any,
+    calibration_prompts: Sequence[dict[str, Any]],
+    heldout_prompts: Sequence[dict[str, Any]],
+    cfg: CalibrationConfig,
+    progress: bool,
+) -> CalibrationResult:
     notes = []
     method = cfg.method
     if method == "ltt" and cfg.target.min_agreement is None:

@@ -43,7 +43,11 @@ HELDOUT_PROMPTS = "heldout_prompts.jsonl"  # held out: benchmarked beside the de
 # requests, 192 new tokens: a development set, and a held-out set never tuned or trained on.
 GROUNDED_PROMPTS = "grounded_prompts.jsonl"
 GROUNDED_HELDOUT_PROMPTS = "grounded_heldout_prompts.jsonl"
-MEASURED_PROMPT_SETS = (DEV_PROMPTS, CALIBRATION_PROMPTS, HELDOUT_PROMPTS, GROUNDED_PROMPTS, GROUNDED_HELDOUT_PROMPTS)
+# Prompts whose answers a check judges (lists, arithmetic, JSON, code): a development set, and a held-out one.
+CHECKABLE_PROMPTS = "checkable_prompts.jsonl"
+CHECKABLE_HELDOUT_PROMPTS = "checkable_heldout_prompts.jsonl"
+MEASURED_PROMPT_SETS = (DEV_PROMPTS, CALIBRATION_PROMPTS, HELDOUT_PROMPTS, GROUNDED_PROMPTS, GROUNDED_HELDOUT_PROMPTS,
+                        CHECKABLE_PROMPTS, CHECKABLE_HELDOUT_PROMPTS)  # fmt: skip
 
 
 def load_prompts(

@@ -326,6 +326,8 @@ def _routing(result: JobResult) -> dict[str, Any]:
         "hit_rate": round(s.hit_rate, 4),
         "exit_agreement": None if s.exit_agreement is None else round(s.exit_agreement, 4),
         "exit_checked": s.exit_checked,
+        "repaired_tokens": s.repaired_tokens,  # exit mode: wrong exited tokens replaced before they were sent
+        "released_unchecked": s.released_unchecked,
         "draft_acceptance": None if s.draft_acceptance is None else round(s.draft_acceptance, 4),
         "drafts_judged": s.drafts_judged,
         "exits_suspended": s.exits_suspended,

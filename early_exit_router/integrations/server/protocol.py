@@ -28,6 +28,7 @@ REQUEST_ROUTING_FIELDS = (
     "ngram_tier",
     "policy",
     "check_fraction",
+    "holdback",
 )
 # Fields this server does not implement, at the values that ask for nothing (SDKs send some of them at every call;
 # vLLM's sampling extras at their neutral values): accepted, as null is for any field.
@@ -85,6 +86,7 @@ class EarlyExitOptions(BaseModel):
     ngram_tier: bool | None = None
     policy: Literal["cost", "fixed"] | None = None
     check_fraction: float | None = Field(None, ge=0.0, le=1.0)
+    holdback: int | None = Field(None, ge=0, le=64)  # exit mode: tokens streamed before their check (null: none)
 
     def overrides(self) -> dict[str, Any]:
         """The router fields this request sets."""
