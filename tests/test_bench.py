@@ -16,6 +16,7 @@ from early_exit_router.training.calibrate import (
     CalibrationConfig,
     Candidate,
     QualityTarget,
+    binomial_cdf,
     calibrate,
     choose,
     speed_ties,
@@ -130,6 +131,28 @@ def test_calibrate_meets_its_target_on_its_calibration_split(method):
     assert "held out" in result.table()
 
 
+@pytest.mark.parametrize("holdback", [0, None])
+def test_calibrate_for_a_consistency_target_bounds_the_outputs_that_differ(holdback):
+    """A sequence-level target: the share of outputs identical to the full model's, tested over outputs (LTT); exit
+    mode runs under the router's holdback. Without repairs only conservative thresholds keep outputs identical;
+    with them every output is, so the sweep's fastest candidate wins."""
+    router = tiny_router(seed=1, holdback=holdback)
+    cfg = CalibrationConfig(QualityTarget(min_consistency=0.5), candidates=CANDIDATES, delta=0.5, max_new_tokens=12)
+    result = calibrate(router, PROMPTS[:2], PROMPTS[2:], cfg, progress=False)
+    assert all(c.outputs == 2 for c in result.candidates)
+    for c in result.candidates:  # the p-value is over outputs, not tokens
+        assert c.p_value == pytest.approx(binomial_cdf(c.outputs - c.consistent, c.outputs, 0.5))
+    if holdback is None:
+        assert all(c.consistent == c.outputs and c.meets_target for c in result.candidates)
+    else:  # lossy: aggressive thresholds change outputs; two outputs pass at delta 0.5 only if both are identical
+        assert any(c.consistent < c.outputs for c in result.candidates)
+        valid = [c for c in result.candidates if c.meets_target]
+        assert result.candidates[: len(valid)] == valid and all(c.consistent == c.outputs for c in valid)
+    assert result.chosen_threshold is not None and router.config.high_conf_threshold == result.chosen_threshold
+    assert router.config.target_agreement is None and router.config.holdback == holdback  # thresholds stay put
+    assert "consistency" in result.heldout and "outputs identical to the full model's >= 0.5" in result.table()
+
+
 def test_calibrate_with_an_unreachable_target_chooses_nothing_and_keeps_the_config():
     router = tiny_router(seed=1, high_conf_threshold=0.5)
     cfg = CalibrationConfig(QualityTarget(min_agreement=1.0), candidates=(0.05, 0.03), max_new_tokens=12)
@@ -231,6 +254,8 @@ def test_cli_generate_trace_bench_and_calibrate(tiny_folder, tmp_path, capsys):
     # calibrate's own --target-agreement is the calibration target, and exit mode's quality target once saved
     assert reloaded.config.target_agreement == 0.01
     assert main(["calibrate", "--model", str(tiny_folder), "--out", str(calibrated), "--target-agreement", "2"]) == 2
+    bad = ["calibrate", "--model", str(tiny_folder), "--out", str(calibrated), "--min-consistency", "1.5"]
+    assert main(bad) == 2 and "min_consistency must be in" in capsys.readouterr().err
 
 
 def test_cli_refuses_bad_files_outputs_devices_and_ignored_options_with_a_message(tiny_folder, tmp_path, capsys):

@@ -73,6 +73,13 @@ def test_quality_target_needs_exactly_one_bound():
         QualityTarget(min_agreement=0.9, max_nll_increase=0.02)
     assert QualityTarget(max_nll_increase=0.02).met(0.0, 1.019)
     assert not QualityTarget(max_nll_increase=0.02).met(1.0, 1.03)
+    with pytest.raises(ValueError, match="exactly one"):
+        QualityTarget(min_agreement=0.9, min_consistency=0.9)
+    with pytest.raises(ValueError, match="min_consistency must be in"):
+        QualityTarget(min_consistency=1.5)
+    consistent = QualityTarget(min_consistency=0.8)  # per output, whatever the tokens' agreement
+    assert consistent.met(0.5, 2.0, 0.8) and not consistent.met(1.0, 1.0, 0.7) and not consistent.met(1.0, 1.0)
+    assert consistent.risk_bound() == pytest.approx(0.2) and QualityTarget(max_nll_increase=0.1).risk_bound() is None
 
 
 def test_split_prompts_alternates_within_categories():

@@ -84,6 +84,7 @@ class BenchConfig:
     engine_control: bool = True
     assistant_early_exit: tuple[int, ...] | None = None  # None: the deepest exit layer + 1; () skips the arm
     prompt_lookup_num_tokens: int = 10  # 0 skips the arm
+    no_repair_arm: bool = True  # exit mode: the loaded config also without repairs (holdback 0)
     warmup: bool = True
     # > 0: every arm samples at this temperature (no top-k or top-p), each prompt and repeat from one seed; the
     # outputs then differ between arms by chance, and speed is what compares
@@ -111,7 +112,7 @@ def build_arms(router: Any, cfg: BenchConfig, others: Sequence[str] = ()) -> lis
     for mode in cfg.modes:
         if cfg.loaded_config:
             arms.append(Arm(f"router {mode} (loaded config)", "router", mode, family=f"router {mode}, loaded config"))
-        if cfg.loaded_config and mode == "exit":  # what the repairs cost and buy: exited tokens final at once
+        if cfg.loaded_config and cfg.no_repair_arm and mode == "exit":  # what repairs cost and buy
             arms.append(Arm(NO_REPAIR, "router", mode, {"holdback": 0}, family="router exit, no repair"))
         for t in sorted(cfg.thresholds, reverse=True):
             overrides = threshold_overrides(t)

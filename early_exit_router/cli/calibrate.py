@@ -25,8 +25,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="Choose the exit threshold that is fastest while meeting a quality target; save it with the heads.",
         description="Sweep a confidence threshold (high = low, no entropy band) on a calibration half of the "
         "prompts against plain HF greedy, keep the thresholds that meet the target (Learn-then-Test binomial bound "
-        "for agreement targets, empirical for NLL), pick the fastest, check it on the held-out half, and save the "
-        "router with it.",
+        "for agreement and consistency targets, empirical for NLL), pick the fastest, check it on the held-out half, "
+        "and save the router with it.",
     )
     calib.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
     calib.add_argument("--out", required=True, help="Folder to save the calibrated router into.")
@@ -38,6 +38,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="Teacher-forced agreement to reach, e.g. 0.95; in exit mode also saved as the router's target_agreement.",
     )
     target.add_argument("--max-nll-increase", type=float, help="Largest relative NLL increase, e.g. 0.02 for 2%%.")
+    target.add_argument(
+        "--min-consistency",
+        type=float,
+        help="Smallest share of outputs identical to the full model's greedy output, e.g. 0.9 (per sequence, as "
+        "CALM's textual consistency); exit mode runs under the router's holdback (with repairs every output is).",
+    )
     calib.add_argument("--method", choices=["ltt", "empirical"], default="ltt", help="Default: %(default)s.")
     calib.add_argument("--delta", type=float, default=0.1, help="LTT risk level (default: %(default)s).")
     calib.add_argument("--objective", choices=["speed", "compute"], default="speed", help="Default: %(default)s.")
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from early_exit_router.training.corpus import CALIBRATION_PROMPTS
 
-    target = QualityTarget(min_agreement=args.target_agreement, max_nll_increase=args.max_nll_increase)
+    target = QualityTarget(args.target_agreement, args.max_nll_increase, args.min_consistency)
     cfg = CalibrationConfig(
         target=target,
         candidates=tuple(args.candidates or DEFAULT_CANDIDATES),

@@ -18,6 +18,9 @@ Method (documented in docs/training.md, "Calibration"):
      sequence from the most conservative threshold down, stopping at the first p-value above `delta`; every
      candidate before that point meets the target with probability >= 1 - delta (family-wise). Tokens are treated
      as independent draws, which is an approximation: tokens of one answer are correlated.
+   - Consistency target (outputs identical to the full model's >= 1 - epsilon, sequence-level as CALM's textual
+     consistency): the same test over outputs, k differing outputs in n (prompts times repeats); exit mode then runs
+     under the router's own `holdback`, since the target is about what the caller gets.
    - `method="empirical"` (and every NLL target, whose loss is unbounded): the calibration estimate must meet
      the target; no risk bound.
 4. Run the chosen threshold on the held-out half, again against the control, and report whether the target holds
@@ -40,27 +43,46 @@ DEFAULT_CANDIDATES = (0.99, 0.97, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 
 @dataclass
 class QualityTarget:
-    """Exactly one of: a minimum teacher-forced agreement, or a maximum relative NLL increase (0.02 = 2%)."""
+    """Exactly one of: a minimum teacher-forced agreement (per token), a maximum relative NLL increase (0.02 = 2%),
+    or a minimum consistency: the share of outputs identical to the full model's greedy output (per sequence, CALM's
+    textual consistency: what a user comparing answers sees)."""
 
     min_agreement: float | None = None
     max_nll_increase: float | None = None
+    min_consistency: float | None = None
 
     def __post_init__(self) -> None:
-        if (self.min_agreement is None) == (self.max_nll_increase is None):
-            raise ValueError("Give exactly one quality target: min_agreement (e.g. 0.95) or max_nll_increase (0.02).")
-        if self.min_agreement is not None and not 0 < self.min_agreement <= 1:
-            raise ValueError(f"min_agreement must be in (0, 1], got {self.min_agreement}.")
+        given = [v for v in (self.min_agreement, self.max_nll_increase, self.min_consistency) if v is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "Give exactly one quality target: min_agreement (e.g. 0.95), max_nll_increase (0.02) or "
+                "min_consistency (0.9)."
+            )
+        for name in ("min_agreement", "min_consistency"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value}.")
         if self.max_nll_increase is not None and self.max_nll_increase < 0:
             raise ValueError(f"max_nll_increase must be >= 0, got {self.max_nll_increase}.")
 
-    def met(self, agreement: float, nll_ratio: float | None) -> bool:
+    def met(self, agreement: float, nll_ratio: float | None, consistency: float | None = None) -> bool:
         if self.min_agreement is not None:
             return agreement >= self.min_agreement
+        if self.min_consistency is not None:
+            return consistency is not None and consistency >= self.min_consistency
         return nll_ratio is not None and nll_ratio - 1 <= self.max_nll_increase
+
+    def risk_bound(self) -> float | None:
+        """The largest failure rate the target allows, where a Learn-then-Test bound applies (None: an NLL target,
+        whose loss is unbounded): disagreeing tokens, or outputs that differ from the full model's."""
+        target = self.min_agreement if self.min_agreement is not None else self.min_consistency
+        return None if target is None else 1 - target
 
     def describe(self) -> str:
         if self.min_agreement is not None:
             return f"teacher-forced agreement >= {self.min_agreement:g}"
+        if self.min_consistency is not None:
+            return f"outputs identical to the full model's >= {self.min_consistency:g}"
         return f"NLL increase <= {self.max_nll_increase:.1%}"
 
 
@@ -99,6 +121,8 @@ class Candidate:
     speedup: float | None
     compute_ratio: float | None
     hit_rate: float
+    outputs: int = 0  # generations it made on the calibration half ...
+    consistent: int = 0  # ... and of them, those identical to the full model's (the control's)
     p_value: float | None = None  # LTT only
     meets_target: bool = False  # valid under the method (bound or estimate)
     prompt_speedups: dict[str, float] = field(default_factory=dict)  # per calibration prompt: tokens/s over control
@@ -121,21 +145,24 @@ class CalibrationResult:
     def table(self) -> str:
         lines = [
             f"target: {self.target}; method: {self.method}",
-            "| threshold | tokens | agreement | NLL ratio | speedup | compute | hit rate | p-value | valid |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| threshold | tokens | agreement | identical | NLL ratio | speedup | compute | hit rate | p-value "
+            "| valid |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c in self.candidates:
             p = "–" if c.p_value is None else f"{c.p_value:.3g}"
             lines.append(
                 f"| {c.threshold:g}{' (chosen)' if c.threshold == self.chosen_threshold else ''} | {c.tokens} | "
-                f"{c.agreement:.3f} | {format_value(c.nll_ratio)} | {format_value(c.speedup)} | "
+                f"{c.agreement:.3f} | {c.consistent}/{c.outputs} | {format_value(c.nll_ratio)} | "
+                f"{format_value(c.speedup)} | "
                 f"{format_value(c.compute_ratio)} | {c.hit_rate:.2f} | {p} | {'yes' if c.meets_target else 'no'} |"
             )
         if self.heldout:
             h = self.heldout
             lines.append(
                 f"held out ({len(self.heldout_prompts)} prompts) at {self.chosen_threshold:g}: agreement "
-                f"{h['agreement']:.3f}, NLL ratio {format_value(h['nll_ratio'])}, speedup "
+                f"{h['agreement']:.3f}, identical {h.get('consistency', 0):.2f}, NLL ratio "
+                f"{format_value(h['nll_ratio'])}, speedup "
                 f"{format_value(h['speedup'])}x, compute {format_value(h['compute_ratio'])}, hit rate "
                 f"{h['hit_rate']:.2f}; target met: {h['meets_target']}"
             )
@@ -211,12 +238,13 @@ def calibrate(
     Returns the result whatever happens; `chosen_threshold` is None (and the router unchanged) when no candidate
     meets the target.
 
-    Exit mode is measured without repairs (`holdback` 0 for the sweep and the held-out check, the router's own
-    restored after): the output's teacher-forced disagreement then measures the exit rule itself, the rate the
-    threshold controller holds (the rate of repairs under the default holdback, of wrong tokens released otherwise).
+    For per-token targets exit mode is measured without repairs (`holdback` 0 for the sweep and the held-out check,
+    the router's own restored after): the output's teacher-forced disagreement then measures the exit rule itself,
+    the rate the threshold controller holds (the rate of repairs under the default holdback, of wrong tokens released
+    otherwise). A consistency target is about the outputs the caller gets, so it runs under the router's holdback.
     """
     held = router.config.holdback
-    if cfg.mode == "exit":
+    if cfg.mode == "exit" and cfg.target.min_consistency is None:
         router.config = router.config.replace(holdback=0)
     try:
         return _calibrate(router, calibration_prompts, heldout_prompts, cfg, progress)
@@ -233,7 +261,7 @@ def _calibrate(
 ) -> CalibrationResult:
     notes = []
     method = cfg.method
-    if method == "ltt" and cfg.target.min_agreement is None:
+    if method == "ltt" and cfg.target.risk_bound() is None:
         method = "empirical"
         notes.append("An NLL target has an unbounded loss, so no Learn-then-Test bound: the empirical rule was used.")
     bench_cfg = BenchConfig(
@@ -247,19 +275,21 @@ def _calibrate(
         engine_control=False,
         assistant_early_exit=(),
         prompt_lookup_num_tokens=0,
+        no_repair_arm=False,
     )
     sweep = run_bench(router, calibration_prompts, bench_cfg, progress=progress)
     rows = {row["threshold"]: row for row in sweep.summary if row["category"] == "all" and row["threshold"] is not None}
     candidates = [_candidate(t, rows[t], sweep.records) for t in sorted(rows, reverse=True)]
-    epsilon = None if cfg.target.min_agreement is None else 1 - cfg.target.min_agreement
+    epsilon, per_output = cfg.target.risk_bound(), cfg.target.min_consistency is not None
     still_testing = True
     for c in candidates:  # most conservative first: the order of the fixed-sequence test
-        if method == "ltt":
-            c.p_value = binomial_cdf(c.disagreements, c.tokens, epsilon) if c.tokens else 1.0
+        if method == "ltt":  # failures in trials: disagreeing tokens, or (per output) outputs that differ
+            failures, trials = (c.outputs - c.consistent, c.outputs) if per_output else (c.disagreements, c.tokens)
+            c.p_value = binomial_cdf(failures, trials, epsilon) if trials else 1.0
             still_testing = still_testing and c.p_value <= cfg.delta
             c.meets_target = still_testing
         else:
-            c.meets_target = cfg.target.met(c.agreement, c.nll_ratio)
+            c.meets_target = cfg.target.met(c.agreement, c.nll_ratio, c.consistent / max(1, c.outputs))
     valid = [c for c in candidates if c.meets_target]
     result = CalibrationResult(
         target=cfg.target.describe() + (f" (with probability >= {1 - cfg.delta:g})" if method == "ltt" else ""),
@@ -273,7 +303,8 @@ def _calibrate(
     if not valid:
         result.notes.append(
             "No candidate threshold meets the target on the calibration prompts: relax the target, use more "
-            "calibration prompts (a tighter bound), or use mode='verify' for output identical to the full model."
+            "calibration prompts (a tighter bound), or, for output identical to the full model, keep exit mode's "
+            "repairs (holdback None) or use mode='verify'."
         )
         return result
     best = choose(valid, cfg)
@@ -289,6 +320,7 @@ def _calibrate(
         )
     check = run_bench(router, heldout_prompts, _heldout_config(bench_cfg), progress=progress)
     row = next(r for r in check.summary if r["category"] == "all" and r["arm"] == f"router {cfg.mode} (loaded config)")
+    consistency = row["identical"] / max(1, row["runs"])
     result.heldout = {
         "agreement": row["teacher_forced_agreement"],
         "nll_ratio": row["nll_ratio"],
@@ -296,7 +328,8 @@ def _calibrate(
         "compute_ratio": row["compute_ratio"],
         "hit_rate": row["hit_rate"],
         "tokens": row["tokens"],
-        "meets_target": cfg.target.met(row["teacher_forced_agreement"], row["nll_ratio"]),
+        "consistency": consistency,  # outputs identical to the full model's
+        "meets_target": cfg.target.met(row["teacher_forced_agreement"], row["nll_ratio"], consistency),
     }
     return result
 
@@ -317,6 +350,8 @@ def _candidate(threshold: float, row: dict[str, Any], records: list) -> Candidat
         speedup=row["speedup"],
         compute_ratio=row["compute_ratio"],
         hit_rate=row["hit_rate"],
+        outputs=row["runs"],
+        consistent=row["identical"],
         prompt_speedups=_prompt_speedups(records, row["arm"]),
     )
 
