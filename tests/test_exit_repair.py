@@ -165,3 +165,47 @@ def test_the_cli_takes_a_holdback_count():
     assert "holdback" not in router_overrides(parser.parse_args([]))  # unset: the saved or built-in value
     with pytest.raises(SystemExit):
         parser.parse_args(["--holdback", "two"])
+
+
+@pytest.mark.parametrize("holdback", [None, 0, 2])
+def test_a_streamer_gets_the_prompt_then_exactly_the_output_under_every_holdback(holdback):
+    from .test_generation import Collect
+
+    model = tiny_llama(0)
+    ids = prompt(0)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **dict(ALWAYS_EXIT, holdback=holdback))
+    streamer = Collect()
+    out = router.generate(ids, 30, mode="exit", streamer=streamer)
+    assert streamer.ended and streamer.chunks[0] == ids[0].tolist()
+    assert [t for chunk in streamer.chunks[1:] for t in chunk] == out.sequences[0, ids.shape[1] :].tolist()
+    if holdback is None:
+        assert torch.equal(out.sequences, greedy(model, ids, 30))
+
+
+def test_an_eos_among_held_back_tokens_ends_generation_where_the_full_model_does():
+    """An exited EOS is a draft like any other: a wrong one is repaired away, a right one ends the output, as EOS
+    ends plain greedy decoding."""
+    model = tiny_llama(0)
+    ids = prompt(0)
+    full = greedy(model, ids, 24)
+    eos = int(full[0, ids.shape[1] + 9])
+    ref = greedy(model, ids, 24, eos_token_id=eos, pad_token_id=eos)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **dict(ALWAYS_EXIT, **REPAIRED))
+    out = router.generate(ids, 24, mode="exit", eos_token_id=eos)
+    assert torch.equal(out.sequences, ref) and out.sequences[0, -1] == eos
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_sampled_tokens_released_unchecked_are_checked_with_the_noise_they_were_drawn_with():
+    """Sampling with a holdback: a released token is final and later checked against the full model's draw with the
+    token's own noise, as 0.1's exit mode checked every exited token; the output is the same for the same seed."""
+    model = tiny_llama(1)
+    ids = prompt(1)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **dict(ALWAYS_EXIT, holdback=1))
+    kwargs = dict(do_sample=True, temperature=0.9, top_k=0, seed=3)
+    out = router.generate(ids, 30, mode="exit", **kwargs)
+    s = out.stats
+    assert s.released_unchecked > 0 and s.exit_checked == s.released_unchecked
+    assert s.exit_agreement is not None and 0.0 <= s.output_agreement <= 1.0
+    assert torch.equal(router.generate(ids, 30, mode="exit", **kwargs).sequences, out.sequences)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
