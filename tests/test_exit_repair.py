@@ -209,3 +209,36 @@ def test_sampled_tokens_released_unchecked_are_checked_with_the_noise_they_were_
     assert s.exit_agreement is not None and 0.0 <= s.output_agreement <= 1.0
     assert torch.equal(router.generate(ids, 30, mode="exit", **kwargs).sequences, out.sequences)
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_sampled_batches_with_repairs_draw_plain_samplings_tokens_in_every_row():
+    """A synchronous batch keeps the shortest accepted prefix; a row that accepted more then takes the full model's
+    draw at the batch's position (with that position's noise), not the one after its own longer prefix."""
+    model = tiny_llama(0)
+    ids, mask = left_padded([5, 9, 3], 2)
+    router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **dict(ALWAYS_EXIT, **REPAIRED))
+    for seed in range(3):
+        kwargs = dict(do_sample=True, temperature=0.8, top_k=0, seed=seed, attention_mask=mask)
+        plain = router.generate(ids, 12, mode="exit", config={"active_exit_layers": []}, **kwargs)
+        out = router.generate(ids, 12, mode="exit", **kwargs)
+        assert torch.equal(out.sequences, plain.sequences)
+        assert out.stats.drafts_judged > 0
+
+
+def test_the_controllers_estimate_under_repairs_is_the_rate_of_repairs():
+    """The estimate the controller holds to the target (`QualityWindow.disagreement`) is, under repairs, the share
+    of tokens that needed one, also where almost no exited token is kept."""
+    for seed in range(3):
+        model = tiny_llama(seed)
+        ids = prompt(seed)
+        router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **dict(MIXED, **REPAIRED))
+        decoder = router.decoder(mode="exit")
+        row = decoder.join(ids, DecodeRequest(max_new_tokens=60), TokenSelector(SamplingParams(), router.stack.device))
+        while not decoder.finished:
+            decoder.step()
+        decoder.finish()
+        stats = decoder.stats(row)
+        estimate, _ = decoder.routing.quality.disagreement()
+        assert stats.repaired_tokens > 0
+        assert estimate == pytest.approx(stats.repaired_tokens / len(decoder.routing.quality.tokens))
+        assert len(decoder.routing.quality.tokens) == pytest.approx(stats.new_tokens, abs=2)

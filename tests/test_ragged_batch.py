@@ -239,8 +239,9 @@ def test_the_per_row_sampling_rule_keeps_the_full_models_distribution():
     second = torch.zeros(VOCAB, dtype=torch.float64)
     for _ in range(runs):
         noise = torch.empty(3, VOCAB).exponential_(generator=generator)  # each position's draw
-        verdicts, token = accept_sampled(torch.softmax(logits, dim=-1), noise, draft)
+        verdicts, tokens = accept_sampled(torch.softmax(logits, dim=-1), noise, draft)
         accepted = sum(verdicts)
+        token = tokens[accepted]
         first[draft[0] if accepted >= 1 else token] += 1
         if accepted >= 1:
             second[draft[1] if accepted >= 2 else token] += 1

@@ -131,8 +131,6 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
             ok = [True] * a + ([False] if a < count else [])
             if a < count:
                 _judge_alternatives(dec, row, first + a, pick[a])
-        if False in ok and dec.mode == "exit" and _exited(dec, row, first + len(ok) - 1):
-            row.counters.repaired += 1  # an exited token the caller never saw: the full model's replaces it
         counts.append(count)
         verdicts.append(ok)
         picks.append(pick)
@@ -159,17 +157,21 @@ def verify(dec: DecodeState, logits: torch.Tensor, first: int, has_current: bool
         if row.done:
             continue
         _book(row, logits[r], counts[r], accepted[r])
+        refused = accepted[r] < counts[r] and kept_rows[r] == accepted[r]  # the full model's token takes its place
+        if refused and dec.mode == "exit" and _exited(dec, row, first + accepted[r]):
+            row.counters.repaired += 1  # an exited token the caller never saw
         row.drop(counts[r] - kept_rows[r])
         if dec.per_row:
             dec.slots.hole(r, first + kept_rows[r] + 1, keep)
     _judge_proposals(dec, accepted, ids)
     verified = sum(kept + (t is not None) for kept, t, row in zip(kept_rows, ids, dec.rows) if not row.done)
-    # Accepted drafts and the full model's token agree with it. Exit mode's controller counts the kept exited tokens
-    # as early: the disagreement it holds to the target is then the rate of repairs (`judge`).
+    # Accepted drafts and the full model's token agree with it. Exit mode's controller counts the positions an exited
+    # token held, the refused one too, as early: the disagreement it holds to the target (`judge`: the share early
+    # times the share refused) is then the rate of repairs.
     early = 0
     if dec.mode == "exit":
-        early = sum(_exited(dec, row, first + j) for row, kept in zip(dec.rows, kept_rows) if not row.done
-                    for j in range(kept))  # fmt: skip
+        early = sum(_exited(dec, row, first + j) for r, row in enumerate(dec.rows) if not row.done
+                    for j in range(min(len(verdicts[r]), kept_rows[r] + 1)))  # fmt: skip
     dec.routing.quality.add_tokens(early, verified - early)
     if any(t is not None for t in ids):
         device = logits.device
@@ -197,12 +199,10 @@ def _exited(dec: DecodeState, row: Row, slot: int) -> bool:
     return draft is not None and draft.tier < len(dec.exits)
 
 
-def _next_token(pick: list[int] | int | None, kept: int) -> int | None:
-    """The token a row appends after its kept drafts: greedy, the full model's choice there (None past the last
-    prediction); sampled, the acceptance rule's token (a batch that samples keeps each row's own prefix)."""
-    if isinstance(pick, list):
-        return pick[kept] if kept < len(pick) else None
-    return pick
+def _next_token(pick: list[int], kept: int) -> int | None:
+    """The token a row appends after its kept drafts: the full model's choice there, greedy or its draw with the
+    position's noise (None past the last prediction)."""
+    return pick[kept] if kept < len(pick) else None
 
 
 def _judge_alternatives(dec: DecodeState, row: Row, slot: int, token: int) -> None:
@@ -246,9 +246,9 @@ def greedy_row(dec: DecodeState, r: int, row: Row, logits: torch.Tensor, first: 
 
 def _sample_row(
     dec: DecodeState, r: int, row: Row, logits: torch.Tensor, first: int, drafts: list[int]
-) -> tuple[list[bool], int | None]:
-    """Row r's verdicts and next token when sampling: the full model's draw at each position, with the position's
-    noise, keeps a draft where it equals it (`verify.accept_sampled`)."""
+) -> tuple[list[bool], list[int]]:
+    """Row r's verdicts and the full model's token at each position when sampling: its draw with the position's
+    noise, which keeps a draft where it equals it (`verify.accept_sampled`)."""
     scores = _scores(dec, r, row, logits, first)  # (m, vocab)
     start = len(row.new_tokens) - len(drafts)  # the first draft's position
     noise = torch.stack([row.noise_at(start + j, scores.shape[-1]) for j in range(scores.shape[0])])

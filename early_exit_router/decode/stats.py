@@ -215,7 +215,8 @@ class AgreementMonitor:
                 self.warned = True
                 logger.warning(
                     "early-exit monitor: agreement of the last %d exited tokens with the full model is %.2f, below "
-                    "%.2f. The router is too aggressive for this text: raise the thresholds or use mode='verify'.",
+                    "%.2f. The router is too aggressive for this text: raise the thresholds or use mode='verify' (exit "
+                    "mode's repairs keep the output, but each one costs time).",
                     self.window,
                     rolling,
                     self.bound,

@@ -23,16 +23,17 @@ def accept_greedy(choices: Sequence[int], drafts: Sequence[int]) -> int:
     return next((j for j, (c, d) in enumerate(zip(choices, drafts)) if c != d), len(drafts))
 
 
-def accept_sampled(p: torch.Tensor, noise: torch.Tensor, drafts: Sequence[int]) -> tuple[list[bool], int | None]:
+def accept_sampled(p: torch.Tensor, noise: torch.Tensor, drafts: Sequence[int]) -> tuple[list[bool], list[int]]:
     """Sampling over one row's chunk. `p` (m, vocab): the full model's laws at the m predicted positions; `noise`
     (m, vocab): those positions' draws (`noise.SamplingNoise`); `drafts`: n <= m drafted tokens, at the first n
     positions. The full model's token at each position is argmax(p / noise), what `torch.multinomial` draws with that
-    noise. Returns the verdicts up to and including the first refusal, and the token after the kept prefix (None:
-    every draft kept and no prediction left)."""
+    noise. Returns the verdicts up to and including the first refusal, and the full model's token at every position:
+    the one after a kept prefix of k drafts is `tokens[k]` (none where k = m), also where a synchronous batch keeps
+    fewer drafts than this row accepted (each position's draw is plain sampling's, whatever the row kept)."""
     tokens = (p / noise).argmax(dim=-1).tolist()  # one host sync
     kept = accept_greedy(tokens, drafts)
     verdicts = [True] * kept + ([False] if kept < len(drafts) else [])
-    return verdicts, tokens[kept] if kept < len(tokens) else None
+    return verdicts, tokens
 
 
 def shortest_prefix(accepted: Sequence[int], active: Sequence[bool], n: int) -> int:
