@@ -65,7 +65,7 @@ case "$command" in
         "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "transformers==$OLDEST_TRANSFORMERS"
         exec "$VENV/bin/python" -m pytest -q tests/test_architectures.py tests/test_patching.py \
             tests/test_no_leaks.py tests/test_generation.py tests/test_quantized.py tests/test_batching.py \
-            tests/test_concurrency.py "$@"
+            tests/test_concurrency.py tests/test_compiled.py "$@"
         ;;
     test-llama-cpp)
         setup

@@ -24,6 +24,7 @@ from early_exit_router.config_checks import (
     as_exit_adapters,
     as_layers,
     check_booleans,
+    check_drafting,
     check_exit_layers,
     check_integers,
     check_monitoring,
@@ -311,23 +312,20 @@ class DraftingOptions:
             "does, not as bf16 rounding leaves them; logits come back as float32. No effect in float32."
         },
     )
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "One sequence's one-position passes run as torch.compile graphs over a static KV cache, one graph "
+            "per pass shape shared by every decoder layer (compiled once per process, seconds; inductor caches it on "
+            "disk). Where a family, device or dtype cannot use them (or compiling fails), eager passes run, logged."
+        },
+    )
 
     def __post_init__(self) -> None:
         self._check_drafting()
 
     def _check_drafting(self) -> None:
-        for name, allowed in (("mode", MODES), ("policy", POLICIES), ("batch_design", BATCH_DESIGNS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"Unknown {name} {getattr(self, name)!r}: use one of {', '.join(allowed)}.")
-        check_unit_interval("acceptance_prior", self.acceptance_prior)
-        if self.exit_acceptance_prior is not None:
-            check_unit_interval("exit_acceptance_prior", self.exit_acceptance_prior)
-        check_integers(self, {"probe_interval": 0, "ngram_size": 2, "ngram_min_size": 1, "ngram_draft": 1,
-                               "ngram_store_tokens": 0, "ngram_tree_nodes": 0, "exit_branches": 0})  # fmt: skip
-        if self.ngram_min_size > self.ngram_size:
-            raise ValueError(
-                f"ngram_min_size ({self.ngram_min_size}) is above ngram_size ({self.ngram_size}): set min <= size."
-            )
+        check_drafting(self, {"mode": MODES, "policy": POLICIES, "batch_design": BATCH_DESIGNS})
 
 
 @dataclass

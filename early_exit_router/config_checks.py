@@ -64,6 +64,22 @@ def check_integers(config: Any, lowest: dict[str, int]) -> None:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
 
 
+def check_drafting(options: Any, choices: Mapping[str, Sequence[str]]) -> None:
+    """`DraftingOptions`' fields: the named choices, the priors and the n-gram tier's sizes."""
+    for name, allowed in choices.items():
+        if getattr(options, name) not in allowed:
+            raise ValueError(f"Unknown {name} {getattr(options, name)!r}: use one of {', '.join(allowed)}.")
+    check_unit_interval("acceptance_prior", options.acceptance_prior)
+    if options.exit_acceptance_prior is not None:
+        check_unit_interval("exit_acceptance_prior", options.exit_acceptance_prior)
+    check_integers(options, {"probe_interval": 0, "ngram_size": 2, "ngram_min_size": 1, "ngram_draft": 1,
+                             "ngram_store_tokens": 0, "ngram_tree_nodes": 0, "exit_branches": 0})  # fmt: skip
+    if options.ngram_min_size > options.ngram_size:
+        raise ValueError(
+            f"ngram_min_size ({options.ngram_min_size}) is above ngram_size ({options.ngram_size}): set min <= size."
+        )
+
+
 def check_monitoring(options: Any) -> None:
     """`MonitoringOptions`' fields: the checks, the monitor, the quality target, the holdback and the controller."""
     for name in ("monitor_min_agreement", "check_fraction"):

@@ -7,10 +7,11 @@ layer's cache equal to a full forward pass after mixed exits (within a few units
 syncs in the decode loop counted with `torch.cuda.set_sync_debug_mode("warn")` against routing decisions and deep
 passes; the patched `model.generate` given ids on the CPU returns them there, as HF does. Then, on SmolLM2, it
 measures the cost model on the GPU (`early-exit-router profile` prints the same table), and times plain HF generate
-against the default config (verify mode under the cost policy), the fixed cascade and exit mode, each mode also
-with its exits off (the n-gram tier alone), printing which plans the policy chose and what the exits added; and it
-compares the `memory` budget with what a generation at 4096 positions holds (the allocator's peak printed beside
-it). Last, quantized bases (torchao int8, bitsandbytes 8/4-bit where installed): verify mode against the same
+and HF's static cache + torch.compile against the default config (verify mode under the cost policy), the fixed
+cascade and exit mode, each mode also with its exits off (the n-gram tier alone), and the default and the decode
+loop alone with compiled passes (`compile=True`), printing which plans the policy chose and what the exits added;
+and it compares the `memory` budget with what a generation at 4096 positions holds (the allocator's peak printed
+beside it). Last, quantized bases (torchao int8, bitsandbytes 8/4-bit where installed): verify mode against the same
 quantized model's greedy. Exit code 0 when every check passes.
 """
 
@@ -101,16 +102,31 @@ def timing(router: EarlyExitRouter) -> None:
         "verify, fixed cascade, no n-gram": ("verify", {"policy": "fixed", "ngram_tier": False}),
         "exit, loaded config": ("exit", {}),
         "exit, exits off (n-gram tier only)": ("exit", exits_off),
+        "verify, default config, compiled": ("verify", {"compile": True}),
+        "exits off, compiled (the decode loop alone)": (
+            "verify",
+            {"active_exit_layers": [], "ngram_tier": False, "compile": True},
+        ),  # fmt: skip
     }
-    for _ in range(2):  # warm-up
+    for _ in range(2):  # warm-up (and the compiled arms' graphs)
         router.generate(ids, max_new_tokens=8)
+        router.generate(ids, max_new_tokens=64, config={"compile": True})
     arms = {}
-    with router.disabled():
+    fast_path = _compat.compiled_generate_kwargs(ids.shape[1] + 64, ids.device)  # HF's static cache + torch.compile
+    with router.disabled() as model, torch.no_grad():
         torch.cuda.synchronize()
         t = time.perf_counter()
         plain = router.generate(ids, max_new_tokens=64)
         torch.cuda.synchronize()
         arms["plain"] = (plain.stats.new_tokens / (time.perf_counter() - t), plain)
+        for _ in range(2):  # compiles, then runs compiled
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            mask = torch.ones_like(ids)
+            hf = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False, **fast_path)
+            torch.cuda.synchronize()
+        hf_tps = (hf.shape[1] - ids.shape[1]) / (time.perf_counter() - t)
+        print(f"  HF static cache + torch.compile: {hf_tps:.1f} tok/s ({hf_tps / arms['plain'][0]:.2f}x plain)")
     configured = router.config
     for name, (mode, overrides) in arms_config.items():
         router.config = configured.replace(**overrides)
@@ -127,8 +143,8 @@ def timing(router: EarlyExitRouter) -> None:
     base = arms["plain"][0]
     for name, (tps, out) in arms.items():
         print(
-            f"  {name}: {tps:.1f} tok/s ({tps / base:.2f}x plain), hit rate {out.stats.hit_rate:.2f}, "
-            f"cycles {out.stats.policy_cycles}"
+            f"  {name}: {tps:.1f} tok/s ({tps / base:.2f}x plain, {tps / hf_tps:.2f}x HF compiled), hit rate "
+            f"{out.stats.hit_rate:.2f}, cycles {out.stats.policy_cycles}"
         )
     for routed, alone in (("verify, default config (cost policy)", "verify, exits off (n-gram tier only)"),
                           ("exit, loaded config", "exit, exits off (n-gram tier only)")):  # fmt: skip
@@ -140,7 +156,7 @@ def timing(router: EarlyExitRouter) -> None:
             f"per token, {exited} of {out.stats.new_tokens} tokens from exit heads, {cycles} exit draft cycles"
         )
     for name, (_, out) in arms.items():
-        if name.startswith("verify"):
+        if name.startswith("verify") or "compiled" in name:
             check(f"smollm2 {name} == plain", torch.equal(out.sequences, arms["plain"][1].sequences))
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.bench.bench import CONTROL, ENGINE_CONTROL, NO_REPAIR, BenchConfig, run_bench
+from early_exit_router.bench.bench import CONTROL, ENGINE_CONTROL, HF_COMPILED, NO_REPAIR, BenchConfig, run_bench
 from early_exit_router.bench.trace import render_trace, trace_legend
 from early_exit_router.cli import main
 from early_exit_router.routing.costs import cpu_model
@@ -41,7 +41,9 @@ def test_bench_runs_every_arm_and_writes_json_and_png(tmp_path, monkeypatch):
     # An empty cost-model cache: the table is measured in this run, and must not count towards any arm.
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path / "cache"))
     router = tiny_router(high_conf_threshold=0.07)
-    cfg = BenchConfig(max_new_tokens=8, thresholds=(0.05,), prompt_lookup_num_tokens=3, warmup=False, repeats=1)
+    cfg = BenchConfig(
+        hf_compiled=False, max_new_tokens=8, thresholds=(0.05,), prompt_lookup_num_tokens=3, warmup=False, repeats=1
+    )
     assert BenchConfig().repeats == 2  # the README's tables: one repeat's ratios move by 8-10% on 2 cores
     result = run_bench(router, PROMPTS[:2], cfg, progress=False)
 
@@ -225,6 +227,7 @@ def test_cli_generate_trace_bench_and_calibrate(tiny_folder, tmp_path, capsys):
         "--assistant-early-exit",
         "",
     ]
+    bench += ["--no-hf-compiled", "--no-compiled"]  # both compile: test_hf_compiled_arm..., tests/test_compiled.py
     assert main(bench + ["--prompt-lookup", "0", "--out", str(bench_dir), "--quiet"] + options) == 0
     assert (bench_dir / "bench.png").is_file()
     assert {r["arm"] for r in json.loads((bench_dir / "bench.json").read_text())["summary"]} == {
@@ -349,7 +352,7 @@ def test_a_sequence_of_requests_keeps_the_store_between_its_calls_and_reports_th
     cleared = []
     monkeypatch.setattr(router, "clear_ngram_store", lambda: cleared.append(True))
     cfg = BenchConfig(max_new_tokens=4, thresholds=(), prompt_lookup_num_tokens=0, assistant_early_exit=(),
-                      ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
+                      hf_compiled=False, ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
     result = run_bench(router, prompts, cfg, progress=False)
     router_arms = [a for a in result.arms if a.kind == "router"]
     # the store is emptied before every router run except a sequence's later calls
@@ -368,7 +371,7 @@ def test_a_lower_precision_bench_scores_every_output_against_the_model_at_float3
     reference = tiny_llama(0).eval()  # float32
     router = EarlyExitRouter.from_model(tiny_llama(0).to(torch.bfloat16), tiny_tokenizer(), **MIXED_CONFIG)
     cfg = BenchConfig(max_new_tokens=6, thresholds=(0.05,), prompt_lookup_num_tokens=3, assistant_early_exit=(),
-                      ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
+                      hf_compiled=False, ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
     loads = []
     result = run_bench(router, PROMPTS[:2], cfg, progress=False, reference=lambda: loads.append(1) or reference)
     assert loads == [1]  # loaded once, after the timed runs
@@ -410,7 +413,7 @@ def test_a_cost_table_gone_stale_is_measured_again_between_runs_not_inside_one(m
     monkeypatch.setattr(router, "costs", counted_costs)
     monkeypatch.setattr(router, "generate", counted_generate)
     cfg = BenchConfig(max_new_tokens=4, thresholds=(), prompt_lookup_num_tokens=0, assistant_early_exit=(),
-                      ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
+                      hf_compiled=False, ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
     run_bench(router, PROMPTS[:2], cfg, progress=False)
     runs = [k for k, e in enumerate(events) if e == "generate"]
     assert runs and all(events[k - 1] == "costs" for k in runs)  # the bench's own check, just before each run
@@ -419,8 +422,9 @@ def test_a_cost_table_gone_stale_is_measured_again_between_runs_not_inside_one(m
 def test_with_prepacked_weights_the_loop_alone_is_reported_as_their_gain_not_as_a_noise_band():
     from early_exit_router.bench.report import format_markdown
 
-    result = run_bench(tiny_router(), PROMPTS[:1], BenchConfig(max_new_tokens=4, thresholds=(), warmup=False,
-                       repeats=1, prompt_lookup_num_tokens=0, assistant_early_exit=()), progress=False)  # fmt: skip
+    cfg = BenchConfig(max_new_tokens=4, thresholds=(), warmup=False, hf_compiled=False, repeats=1,
+                      prompt_lookup_num_tokens=0, assistant_early_exit=())  # fmt: skip
+    result = run_bench(tiny_router(), PROMPTS[:1], cfg, progress=False)
     assert result.meta["packed_weights"] == 0 and "Noise band" in result.markdown()
     packed = format_markdown({**result.meta, "packed_weights": 211}, result.summary)
     assert "Noise band" not in packed and "The decode loop alone, from prepacked weights, ran at" in packed
@@ -492,7 +496,7 @@ def test_a_sampled_bench_gives_every_arm_the_same_seed_per_prompt():
     arms = dict(
         thresholds=(), modes=("verify",), prompt_lookup_num_tokens=3, assistant_early_exit=(), fixed_cascade=False
     )
-    cfg = BenchConfig(max_new_tokens=8, warmup=False, repeats=1, temperature=0.7, **arms)
+    cfg = BenchConfig(hf_compiled=False, max_new_tokens=8, warmup=False, repeats=1, temperature=0.7, **arms)
     result = run_bench(router, PROMPTS[:2], cfg, progress=False)
     assert result.meta["decoding"] == "sampled at temperature 0.7" and "sampled at temperature 0.7" in result.markdown()
     by_arm = {(r.arm, r.prompt_id): r.new_ids for r in result.records}
@@ -510,7 +514,7 @@ def test_a_sampled_bench_gives_every_arm_the_same_seed_per_prompt():
         router.clear_ngram_store()
         assert by_arm[("router verify (loaded config)", item["id"])] == routed.sequences[0, ids.shape[1] :].tolist()
     with pytest.raises(ValueError, match="temperature"):
-        run_bench(router, PROMPTS[:1], BenchConfig(temperature=-1.0), progress=False)
+        run_bench(router, PROMPTS[:1], BenchConfig(hf_compiled=False, temperature=-1.0), progress=False)
 
 
 def test_other_heads_for_the_same_base_run_beside_the_loaded_ones_in_one_process(tmp_path, monkeypatch, capsys):
@@ -520,7 +524,9 @@ def test_other_heads_for_the_same_base_run_beside_the_loaded_ones_in_one_process
     what to give."""
     monkeypatch.setenv("EARLY_EXIT_ROUTER_CACHE", str(tmp_path / "cache"))
     router, other = tiny_router(high_conf_threshold=0.07), tiny_router(high_conf_threshold=0.05)
-    cfg = BenchConfig(max_new_tokens=8, thresholds=(), fixed_cascade=False, assistant_early_exit=(), warmup=False)
+    cfg = BenchConfig(
+        hf_compiled=False, max_new_tokens=8, thresholds=(), fixed_cascade=False, assistant_early_exit=(), warmup=False
+    )
     cfg.prompt_lookup_num_tokens, cfg.repeats = 0, 1
     router.cost_model = tiny_costs()["flat"]  # one table, fixed, whatever the tiny model's timings say
     tables, generate = [], other.generate  # every run of the other heads decides from the bench router's table
@@ -560,8 +566,9 @@ def test_prompts_with_a_check_are_scored_correct_from_the_decoded_answer_and_sum
     from early_exit_router.bench.checks import check_answer
 
     router = tiny_router(high_conf_threshold=0.05)
-    cfg = BenchConfig(max_new_tokens=6, thresholds=(0.05,), modes=("exit",), prompt_lookup_num_tokens=0,
-                      assistant_early_exit=(), ngram=False, fixed_cascade=False, warmup=False, repeats=1)  # fmt: skip
+    cfg = BenchConfig(max_new_tokens=6, thresholds=(0.05,), modes=("exit",), prompt_lookup_num_tokens=0, repeats=1,
+                      hf_compiled=False, assistant_early_exit=(), ngram=False, fixed_cascade=False,
+                      warmup=False)  # fmt: skip
     ids = router.encode(PROMPTS[0]["prompt"])
     with router.disabled() as model:  # the control's first word: a check that plain greedy passes
         first = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)[0, -1]
@@ -672,3 +679,26 @@ def test_the_report_counts_exit_modes_repairs_per_arm():
         section.splitlines()
     )
     assert NO_REPAIR + ":" not in section  # nothing repaired, nothing released: no line
+
+
+def test_hf_compiled_arm_runs_hf_static_cache_compiled_and_reports_speedups_over_it():
+    # The anchor every speedup is also measured against: HF generate with its static cache and the decode step
+    # compiled by torch.compile (on a CPU too, where generate compiles only when told to), one cache size for the run.
+    router = tiny_router()
+    model = router.model
+    cfg = BenchConfig(max_new_tokens=6, thresholds=(), modes=("verify",), ngram=False, fixed_cascade=False,
+                      prompt_lookup_num_tokens=0, assistant_early_exit=(), warmup=False, repeats=1)  # fmt: skip
+    result = run_bench(router, PROMPTS[:2], cfg, progress=False)
+    arms = [a.name for a in result.arms]
+    assert arms[:2] == [CONTROL, HF_COMPILED]
+    assert hasattr(model, "_compiled_call")  # generate took its compiled path
+    rows = {(row["category"], row["arm"]): row for row in result.summary}
+    anchor = rows[("all", HF_COMPILED)]
+    assert anchor["identical"] == anchor["runs"] == 2  # the same greedy tokens as plain HF
+    assert anchor["speedup_compiled"] == pytest.approx(1.0)
+    for row in rows.values():  # every row: over the control and over the anchor, from the same run
+        assert row["speedup_compiled"] == pytest.approx(
+            row["speedup"] / rows[(row["category"], HF_COMPILED)]["speedup"]
+        )
+    assert "vs HF compiled" in result.markdown()
+    assert router.model is model and not hasattr(model, "_cache")  # no static cache left on the user's model

@@ -5,6 +5,8 @@ the same prompts, the same hardware and the same decoding parameters, interleave
 rotates between prompts and repeats, so no arm always runs first). Arms:
 
 - the control, and the router with its exits switched off (the cost or gain of our own decode loop);
+- the anchor: HF `generate` with its static cache and the decode step compiled by torch.compile, HF's own fast path
+  (every row also reports its speedup over it);
 - the router at its loaded config (the default that `generate` uses; exit mode also without repairs, holdback 0),
   and in each mode over a sweep of confidence-only thresholds (`@t`: exit when the head's max probability >= t);
 - the n-gram tier alone (exits off), so the exits must earn their place against it in the same run, and the fixed
@@ -29,136 +31,37 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import time
 import zlib
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from contextlib import ExitStack, nullcontext
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.utils import logging as hf_logging
 
+from early_exit_router.bench.arms import (  # noqa: F401 (the names the bench is used by)
+    CONTROL,
+    ENGINE_CONTROL,
+    HF_COMPILED,
+    NO_REPAIR,
+    Arm,
+    BenchConfig,
+    build_arms,
+    threshold_overrides,
+)
 from early_exit_router.bench.compute import ComputeMeter
 from early_exit_router.bench.copy_ceiling import copy_ceilings
 from early_exit_router.bench.prompts import encode_record, request_units
-from early_exit_router.bench.quality import correct_fields, score_quality
+from early_exit_router.bench.quality import score_quality
 from early_exit_router.bench.report import format_markdown, plot_tradeoff
+from early_exit_router.bench.summary import RunRecord, summarize
 from early_exit_router.bench.timing import ArrivalStreamer, latencies, peak_memory_mb, reset_peak_memory
 from early_exit_router.heads.checkpoint import base_identity
+from early_exit_router.models import _compat
 from early_exit_router.routing.costs import cpu_model
-
-CONTROL = "plain HF generate"
-ENGINE_CONTROL = "router, exits off"
-NO_REPAIR = "router exit, no repair (holdback 0)"
-
-
-@dataclass
-class Arm:
-    """One way of generating. `kind`: 'plain' (HF generate with `hf_kwargs`) or 'router'."""
-
-    name: str
-    kind: str
-    mode: str | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)  # RouterConfig changes for router arms
-    hf_kwargs: dict[str, Any] = field(default_factory=dict)  # extra HF generate arguments for plain arms
-    family: str = ""  # plot series: arms of one family differ only in `threshold`
-    threshold: float | None = None
-    heads: str = ""  # router arms: which heads run it, by label ("": the bench's router; else one of `others`)
-
-
-@dataclass
-class BenchConfig:
-    """What `run_bench` measures. Sweeps set a confidence-only threshold (`threshold_overrides`)."""
-
-    max_new_tokens: int = 64
-    repeats: int = 2  # one repeat's per-prompt ratios move by 8-10% on a 2-core CPU
-    modes: tuple[str, ...] = ("exit", "verify")
-    thresholds: tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)  # swept next to the loaded config
-    ngram: bool = True  # add each mode with the zero-layer n-gram tier alone (exits off)
-    fixed_cascade: bool = True  # add each mode with the fixed threshold cascade and no n-gram tier
-    loaded_config: bool = True  # add each mode at the router's loaded config
-    engine_control: bool = True
-    assistant_early_exit: tuple[int, ...] | None = None  # None: the deepest exit layer + 1; () skips the arm
-    prompt_lookup_num_tokens: int = 10  # 0 skips the arm
-    no_repair_arm: bool = True  # exit mode: the loaded config also without repairs (holdback 0)
-    warmup: bool = True
-    # > 0: every arm samples at this temperature (no top-k or top-p), each prompt and repeat from one seed; the
-    # outputs then differ between arms by chance, and speed is what compares
-    temperature: float = 0.0
-
-
-def threshold_overrides(threshold: float) -> dict[str, float | None]:
-    """RouterConfig changes for a swept threshold: the confidence rule alone (low = high, no entropy band), held
-    fixed (no quality target moves it).
-
-    One number then orders the candidates from conservative to aggressive, which calibration's fixed-sequence
-    test needs; with a band, the entropy rule decides most exits and a sweep of `high_conf_threshold` alone
-    barely changes anything (measured: 0.7 to 0.99 gave the same outputs).
-    """
-    return {"high_conf_threshold": threshold, "low_conf_threshold": threshold, "target_agreement": None}
-
-
-def build_arms(router: Any, cfg: BenchConfig, others: Sequence[str] = ()) -> list[Arm]:
-    """The arms for `router` under `cfg`, the control first; `others`: labels of other heads, each run at its
-    loaded config in every mode."""
-    arms = [Arm(CONTROL, "plain", family="control")]
-    if cfg.engine_control:
-        no_drafts = {"active_exit_layers": [], "ngram_tier": False}  # the decode loop alone: every token plain
-        arms.append(Arm(ENGINE_CONTROL, "router", "exit", no_drafts, family="engine control"))
-    for mode in cfg.modes:
-        if cfg.loaded_config:
-            arms.append(Arm(f"router {mode} (loaded config)", "router", mode, family=f"router {mode}, loaded config"))
-        if cfg.loaded_config and cfg.no_repair_arm and mode == "exit":  # what repairs cost and buy
-            arms.append(Arm(NO_REPAIR, "router", mode, {"holdback": 0}, family="router exit, no repair"))
-        for t in sorted(cfg.thresholds, reverse=True):
-            overrides = threshold_overrides(t)
-            arms.append(Arm(f"router {mode} @{t:g}", "router", mode, overrides, family=f"router {mode}", threshold=t))
-        if cfg.ngram:
-            name = f"router {mode}, n-gram tier only"
-            overrides = {"ngram_tier": True, "active_exit_layers": []}
-            arms.append(Arm(name, "router", mode, overrides, family=f"router {mode}, n-gram only"))
-        if cfg.fixed_cascade:
-            name = f"router {mode}, fixed cascade, no n-gram"
-            overrides = {"policy": "fixed", "ngram_tier": False}
-            arms.append(Arm(name, "router", mode, overrides, family=f"router {mode}, fixed cascade"))
-        for label in others:
-            family = f"router {mode}, loaded config, heads {label}"
-            arms.append(Arm(f"router {mode} (heads {label})", "router", mode, family=family, heads=label))
-    early_exits = cfg.assistant_early_exit
-    if early_exits is None:
-        early_exits = (router.exit_layers[-1] + 1,) if router.exit_layers else ()
-    for e in early_exits:
-        arms.append(Arm(f"HF assisted, early exit {e}", "plain", hf_kwargs={"assistant_early_exit": e}, family="HF"))
-    if cfg.prompt_lookup_num_tokens:
-        n = cfg.prompt_lookup_num_tokens
-        arms.append(Arm(f"HF prompt lookup {n}", "plain", hf_kwargs={"prompt_lookup_num_tokens": n}, family="HF"))
-    return arms
-
-
-@dataclass
-class RunRecord:
-    """One generation of one arm on one prompt."""
-
-    prompt_id: str
-    category: str
-    arm: str
-    repeat: int
-    new_ids: list[int]
-    wall_s: float
-    ttft_s: float | None
-    inter_token_s: list[float]
-    peak_memory_mb: float | None
-    compute_ratio: float | None  # decode multiply-adds per new token / the full model's per decode step
-    stats: dict[str, Any] | None  # GenerationStats of router arms
-    quality: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def tokens(self) -> int:
-        return len(self.new_ids)
 
 
 class _Runner:
@@ -170,6 +73,8 @@ class _Runner:
         self.max_new_tokens = max_new_tokens
         self.device = router.stack.device
         self.temperature = temperature
+        # HF's static cache, sized once for the run's longest call: one compiled decode step serves every call
+        self.static_cache_len = max_new_tokens
 
     def prepare(self, arm: Arm) -> None:
         """Before a run, outside its time and compute: under the cost policy the cost table is measured (or loaded)
@@ -214,6 +119,7 @@ class _Runner:
                     max_new_tokens=self.max_new_tokens,
                     streamer=streamer,
                     **{"do_sample": False, **sampling, **arm.hf_kwargs},
+                    **(_compat.compiled_generate_kwargs(self.static_cache_len, self.device) if arm.compiled else {}),
                 )
             new_ids, stats = out[0, n:].tolist(), None
         wall = time.perf_counter() - start
@@ -289,6 +195,8 @@ def run_bench(
     runners |= {label: _Runner(o, cfg.max_new_tokens, cfg.temperature, router) for label, o in others.items()}
     assigned = {label: other.cost_model for label, other in others.items()}
     encoded = [encode_record(router, p) for p in prompts]
+    for runner in runners.values():
+        runner.static_cache_len = max(ids.shape[1] for ids in encoded) + cfg.max_new_tokens
     units = request_units(prompts)
     records: list[RunRecord] = []
     verbosity = hf_logging.get_verbosity()
@@ -296,10 +204,12 @@ def run_bench(
     try:
         with ExitStack() as stack:
             meters = {k: stack.enter_context(ComputeMeter(r.router.stack, r.router.heads)) for k, r in runners.items()}
-            if cfg.warmup:  # first-call allocations stay out of the numbers
+            if cfg.warmup:  # first-call allocations (and compilation) stay out of the numbers
+                longest = max(encoded, key=lambda ids: ids.shape[1])  # compiled passes: the static length of the run
                 for arm in arms:
                     runners[arm.heads].prepare(arm)
-                    runners[arm.heads].run(arm, encoded[0][:, :8])
+                    with meters[arm.heads].paused() if arm.compiled else nullcontext():
+                        runners[arm.heads].run(arm, longest if arm.compiled else encoded[0][:, :8])
             bar = tqdm(total=cfg.repeats * len(prompts) * len(arms), disable=not progress, desc="bench", unit="run")
             for repeat in range(cfg.repeats):
                 for u_idx, unit in enumerate(units):
@@ -335,11 +245,14 @@ def _measure(
     reset_peak_memory(runner.device)
     meter.reset()
     seed = zlib.crc32(f"{item['id']}:{repeat}".encode())  # the same for every arm
-    new_ids, stats, wall, arrivals = runner.run(arm, ids, keep_store=call > 0, seed=seed)
+    # Compiled arms run without the meter's hooks (a graph would trace them): their compute is not counted (HF's
+    # is the control's; the router's, its eager arm's: the same decisions)
+    with meter.paused() if arm.compiled else nullcontext():
+        new_ids, stats, wall, arrivals = runner.run(arm, ids, keep_store=call > 0, seed=seed)
     count = meter.reset()
     decode_steps = len(new_ids) - 1
     compute = None
-    if decode_steps > 0:
+    if decode_steps > 0 and not arm.compiled:
         decode_macs = count.total - meter.prefill_macs(ids.shape[1])
         compute = decode_macs / (decode_steps * meter.full_token_macs)
     ttft, gaps = latencies(arrivals)
@@ -358,112 +271,6 @@ def _measure(
         compute_ratio=compute,
         stats=stats,
     )
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def _mean(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.fmean(values) if values else None
-
-
-def summarize(records: list[RunRecord], arms: list[Arm]) -> list[dict[str, Any]]:
-    """One row per (category, arm), categories in order of appearance, then 'all'."""
-    groups: dict[tuple[str, str], list[RunRecord]] = defaultdict(list)
-    categories: list[str] = []
-    for r in records:
-        if r.category not in categories:
-            categories.append(r.category)
-        groups[(r.category, r.arm)].append(r)
-        groups[("all", r.arm)].append(r)
-    rows = []
-    for category in [*categories, "all"]:
-        control = groups[(category, CONTROL)]
-        control_tps = _tokens_per_s(control)
-        for arm in arms:
-            runs = groups[(category, arm.name)]
-            if not runs:
-                continue
-            tokens = sum(r.tokens for r in runs)
-            tps = _tokens_per_s(runs)
-            stats = [r.stats for r in runs if r.stats is not None]
-            histogram: dict[int, int] = defaultdict(int)
-            for s in stats:
-                for layer, count in s["exit_histogram"].items():
-                    histogram[int(layer)] += count
-            divergences = [r.quality["first_divergence"] for r in runs if r.quality["first_divergence"] is not None]
-            gaps = [g for r in runs for g in r.inter_token_s]
-            rows.append(
-                {
-                    "category": category,
-                    "arm": arm.name,
-                    "family": arm.family,
-                    "threshold": arm.threshold,
-                    "runs": len(runs),
-                    "tokens": tokens,
-                    "tokens_per_s": tps,
-                    "speedup": tps / control_tps if control_tps else None,
-                    "ttft_ms": _ms(_mean([r.ttft_s for r in runs])),
-                    "itl_p50_ms": _ms(_percentile(gaps, 0.5)),
-                    "itl_p99_ms": _ms(_percentile(gaps, 0.99)),
-                    "peak_memory_mb": max((r.peak_memory_mb or 0.0) for r in runs) or None,
-                    "hit_rate": sum(s["hit_rate"] * s["new_tokens"] for s in stats) / tokens if stats else 0.0,
-                    "exit_histogram": dict(sorted(histogram.items())),
-                    "routing_overhead": _mean([s["routing_overhead"] for s in stats]),
-                    "plain_share": sum(s["plain_share"] * s["new_tokens"] for s in stats) / tokens if stats else None,
-                    "policy_cycles": _sum_counts([s["policy_cycles"] for s in stats]),
-                    "compute_ratio": _weighted([(r.compute_ratio, r.tokens - 1) for r in runs]),
-                    "identical": sum(r.quality["identical"] for r in runs),
-                    "token_match": _mean([r.quality["token_match"] for r in runs]),
-                    "first_divergence_median": statistics.median(divergences) if divergences else None,
-                    "first_divergence_mean": _mean(divergences),  # over the runs that differ from the control
-                    "teacher_forced_agreement": 1 - sum(r.quality["disagreements"] for r in runs) / max(1, tokens),
-                    "reference_agreement": _reference_agreement(runs, tokens),
-                    "nll_ratio": _mean([r.quality["nll_ratio"] for r in runs]),
-                    "rouge_l": _mean([r.quality["rouge_l"] for r in runs]),
-                    # exit mode: wrong exited tokens replaced before release, and exited tokens released unchecked
-                    "repaired_tokens": sum(s.get("repaired_tokens", 0) for s in stats),
-                    "released_unchecked": sum(s.get("released_unchecked", 0) for s in stats),
-                    **correct_fields(runs, control),
-                }
-            )
-    return rows
-
-
-def _reference_agreement(runs: list[RunRecord], tokens: int) -> float | None:
-    """Teacher-forced agreement of the runs' tokens with the reference model (None without one)."""
-    counts = [r.quality.get("reference_disagreements") for r in runs]
-    if not counts or None in counts:
-        return None
-    return 1 - sum(counts) / max(1, tokens)
-
-
-def _sum_counts(counts: list[dict[str, int]]) -> dict[str, int]:
-    total: dict[str, int] = defaultdict(int)
-    for c in counts:
-        for key, value in c.items():
-            total[key] += value
-    return dict(sorted(total.items()))
-
-
-def _tokens_per_s(runs: list[RunRecord]) -> float:
-    wall = sum(r.wall_s for r in runs)
-    return sum(r.tokens for r in runs) / wall if wall > 0 else 0.0
-
-
-def _weighted(pairs: list[tuple[float | None, int]]) -> float | None:
-    pairs = [(v, w) for v, w in pairs if v is not None and w > 0]
-    total = sum(w for _, w in pairs)
-    return sum(v * w for v, w in pairs) / total if total else None
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000
 
 
 def _meta(router: Any, cfg: BenchConfig, prompts: Sequence[dict]) -> dict[str, Any]:

@@ -12,6 +12,8 @@ share of a layer's matrix products, and they are the same per position for every
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +82,16 @@ class ComputeMeter:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing counted inside, the hooks removed: a compiled model would trace them into its graph (and compile
+        again whenever a count changes)."""
+        self.__exit__()
+        try:
+            yield
+        finally:
+            self.__enter__()
 
     def reset(self) -> ComputeCount:
         """Return the count so far and start a new one."""

@@ -30,7 +30,8 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
         f"torch {meta['torch']}, transformers {meta['transformers']}",
         f"{meta['prompts']} prompts, {meta['bench_config']['max_new_tokens']} new tokens max, "
         f"{meta.get('decoding', 'greedy')}, "
-        f"{meta['bench_config']['repeats']} repeat(s); speedup = tokens/s over the control's in the same run; "
+        f"{meta['bench_config']['repeats']} repeat(s); speedup = tokens/s over the control's in the same run "
+        "(vs HF compiled: over HF generate with a static cache and torch.compile); "
         "compute = decode multiply-adds per token over the full model's; exits = share of tokens per shallow "
         "depth; agreement = teacher-forced agreement with the full model; NLL = full-model NLL of the output over "
         "the control's; token match and 1st diff (median first differing position) compare with the control."
@@ -52,6 +53,9 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
     reference = meta.get("reference_dtype")
     if reference:
         columns.insert(columns.index("agreement") + 1, f"{reference} agr.")
+    compiled = any(row.get("speedup_compiled") is not None for row in summary)
+    if compiled:  # runs that timed HF's own fast path: speedups over it beside those over plain HF
+        columns.insert(columns.index("speedup") + 1, "vs HF compiled")
     checked = _checked(summary)
     if checked:
         columns.insert(columns.index("identical") + 1, "correct")
@@ -65,6 +69,7 @@ def format_markdown(meta: dict[str, Any], summary: list[dict[str, Any]]) -> str:
                 row["arm"],
                 f"{row['tokens_per_s']:.1f}",
                 f"{format_value(row['speedup'])}x",
+                *([f"{format_value(row.get('speedup_compiled'))}x"] if compiled else []),
                 f"{row['hit_rate']:.2f}",
                 _histogram(row["exit_histogram"], row["tokens"], num_layers),
                 format_value(row["compute_ratio"]),

@@ -25,11 +25,13 @@ from early_exit_router.models.loading import DEFAULT_MODEL
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser(
         "bench",
-        help="Side by side: plain HF generate, the router (threshold sweep), HF assisted early exit and prompt lookup.",
-        description="A/B benchmark in one process on the same prompts: the control (plain HF greedy), the router "
-        "with exits off, the router in each mode over a threshold sweep (and with the n-gram tier), HF assisted "
-        "generation with assistant_early_exit, and HF prompt lookup. Prints a markdown table per category (speed, "
-        "routing, compute, quality against the control) and writes JSON and a PNG plot.",
+        help="Side by side: plain HF generate, HF compiled, the router (threshold sweep), HF assisted early exit and "
+        "prompt lookup.",
+        description="A/B benchmark in one process on the same prompts: the control (plain HF greedy), HF's static "
+        "cache + torch.compile (the anchor: speedups over it too), the router with exits off, the router in each "
+        "mode over a threshold sweep (and with the n-gram tier), HF assisted generation with assistant_early_exit, "
+        "and HF prompt lookup. Prints a markdown table per category (speed, routing, compute, quality against the "
+        "control) and writes JSON and a PNG plot.",
     )
     bench.add_argument("--model", default=DEFAULT_MODEL, help="Alias, saved router folder, HF folder or .gguf.")
     bench.add_argument(
@@ -67,6 +69,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     bench.add_argument(
         "--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens; 0 skips (default: %(default)s)."
+    )
+    bench.add_argument(
+        "--no-hf-compiled",
+        action="store_true",
+        help="Skip the anchor arm, HF generate with a static cache and torch.compile (its first call compiles, "
+        "about a minute on 2 CPU cores); every table otherwise shows speedups over it beside those over plain HF.",
+    )
+    bench.add_argument(
+        "--no-compiled",
+        action="store_true",
+        help="Skip the router's compiled arms (exits off and each mode's loaded config with compile=True), which "
+        "run where its passes compile (float32 on a CPU, and CUDA).",
     )
     bench.add_argument(
         "--reference-dtype",
@@ -127,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
         fixed_cascade=not args.no_fixed_cascade,
         assistant_early_exit=None if args.assistant_early_exit is None else tuple(args.assistant_early_exit),
         prompt_lookup_num_tokens=args.prompt_lookup,
+        hf_compiled=not args.no_hf_compiled,
+        compiled=not args.no_compiled,
         temperature=args.temperature,
     )
     for mode in cfg.modes:

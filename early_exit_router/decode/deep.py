@@ -304,7 +304,8 @@ def head(dec: DecodeState, hidden: torch.Tensor) -> torch.Tensor:
 
     Non-finite logits (an fp16 overflow, typically) would otherwise be argmaxed into garbage silently."""
     pad_to = dec.costs.head_pad(hidden.shape[1]) if dec.costs is not None and len(dec.rows) == 1 else 0
-    logits = dec.stack.logits(hidden, pad_to, precise=dec.config.precise_logits)
+    compiled = _compat.is_static(dec.fill.cache)  # a compiled decode: one position's head is a graph too
+    logits = dec.stack.logits(hidden, pad_to, precise=dec.config.precise_logits, compiled=compiled)
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError(
             f"The model produced NaN or infinite logits ({dec.stack.dtype}); in float16 this is usually an overflow "

@@ -128,8 +128,7 @@ class Decoder(DecodeState):
         self.fill: LayerwiseFill | None = None
         self.cycle: VerifyCycle | None = None
         self.plan: Plan | None = None
-        self.cycle_drafts = 0
-        self.survival = 1.0
+        self.cycle_drafts, self.survival = 0, 1.0
         self.refusals = []
 
     # ------------------------------------------------------------------------------------------ rows in and out
@@ -156,15 +155,17 @@ class Decoder(DecodeState):
         mask: torch.Tensor,
         requests: list[DecodeRequest],
         selectors: list[TokenSelector],
+        rows_may_join: bool = False,
     ) -> None:
-        """Start from (b, n) left-padded prompts and their (b, n) attention mask, one request and selector per row."""
+        """Start from (b, n) left-padded prompts and their (b, n) attention mask, one request and selector per row
+        (`rows_may_join`: later, `decode_cache`)."""
         started = time.perf_counter()
         ids, mask = check_prefill(ids, mask, len(requests), len(selectors), len(self.rows), self.stack)
         b, n = ids.shape
         if b > 1 and self.block_exits:
             raise ValueError("Block adapters keep a context per sequence: consult other exits in batches.")
-        cache = self.stack.new_cache()
         cfg = self.config
+        cache = decode_cache(self, n, requests, rows_may_join)
         # sliding layers keep what a rollback may need (drafts, repairs, unverified copies too: see append_ngram)
         if self.mode == "verify" or cfg.holdback != 0 or cfg.ngram_tier or self.costs is not None:
             _compat.prepare_for_rollback(cache)
@@ -196,7 +197,7 @@ class Decoder(DecodeState):
         if self.rows and not self.can_join():
             raise RuntimeError("Rows join only when no drafts are waiting (see can_join).")
         single = self._new_like() if self.rows else self  # a first row starts the batch
-        single.prefill(ids, torch.ones_like(ids), [request], [selector])
+        single.prefill(ids, torch.ones_like(ids), [request], [selector], rows_may_join=True)
         if single is not self:
             batching.join(self, single)
         return self.rows[-1]
@@ -371,5 +372,20 @@ class Decoder(DecodeState):
             n = self.rows[0].start
             for layer_idx in range(self.stack.num_layers):  # drafts accepted past the last stop: not in the output
                 _compat.crop_cache_layer(cache, layer_idx, n + width - 1)
-        _compat.release_inference_tensors(cache)
-        return cache
+        return _compat.handed_back(cache, self.stack.config)
+
+
+def decode_cache(decoder: Decoder, n: int, requests: list[DecodeRequest], rows_may_join: bool) -> Any:
+    """A decode's cache: dynamic, or the compiled passes' static one for a single sequence that no row will join
+    (rows joining, leaving and left-padded need dynamic layers), where the model can use one. Its static length
+    holds the prompt, the new tokens (up to SLOTS_AHEAD; more grow it) and the drafts and trees past them, or the
+    longest this stack's decodes needed so far (one length: the graphs compiled for it serve every call)."""
+    one = decoder.config.compile and len(requests) == 1 and not rows_may_join
+    compiled = decoder.stack.compiled_layers() if one else None
+    cache = None
+    if compiled is not None:
+        cfg = decoder.config
+        ahead = cfg.max_pending + cfg.ngram_tree_nodes + 16  # past the last token: tree nodes, a pass's padded rows
+        compiled.static_slots = max(compiled.static_slots, n + min(requests[0].max_new_tokens, SLOTS_AHEAD) + ahead)
+        cache = decoder.stack.new_cache(compiled.static_slots)
+    return decoder.stack.new_cache() if cache is None else cache

@@ -26,6 +26,7 @@ from torch import nn
 
 from early_exit_router.models import _compat
 from early_exit_router.models.attention import check_native_gqa, native_gqa, native_gqa_supported
+from early_exit_router.models.compiled import CompiledLayers, compiled_layers, compiled_logits, run_range
 from early_exit_router.models.kernels import packing_supported
 from early_exit_router.models.packed import PackedLinears
 from early_exit_router.models.precise_logits import precise_top_logits, refines
@@ -138,7 +139,7 @@ class LayerStack:
         self.vocab_size = int(self.lm_head.weight.shape[0])
         self.mask_kinds = [self._mask_kind(j) for j in range(self.num_layers)]
         self._cache_kwarg = _compat.cache_kwarg_for(type(self.layers[0]))
-        self._absent_inputs = self._inputs_passed_as_none()
+        self._absent_inputs = _inputs_passed_as_none(model, self.layers[0], self._cache_kwarg)
         self._softcap = (
             getattr(self.config, spec.final_logit_softcapping_attr, None) if spec.final_logit_softcapping_attr else None
         )
@@ -148,12 +149,13 @@ class LayerStack:
         self._module_packs: weakref.WeakKeyDictionary[nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
         self._packing: tuple[bool, torch.device, torch.dtype] = (False, self.device, self.dtype)
         self._native_gqa: bool | None = None  # see `_attention`
+        self._compiled: CompiledLayers | None = None  # see `compiled_layers`
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LayerStack:
         """A copy (of a model copied whole, router and all) packs its copied weights again: packed weights are
         opaque tensors that cannot be copied."""
         copied = memo[id(self)] = object.__new__(type(self))
-        fresh = {"_module_packs": weakref.WeakKeyDictionary(), "_packed": None}  # `use_packed_weights` fills them
+        fresh = {"_module_packs": weakref.WeakKeyDictionary(), "_packed": None, "_compiled": None}  # made again
         copied.__dict__.update({k: fresh[k] if k in fresh else copy.deepcopy(v, memo) for k, v in vars(self).items()})
         copied.use_packed_weights(self._packing[0])
         return copied
@@ -182,29 +184,6 @@ class LayerStack:
             self.use_packed_weights(True)
         return self._packed
 
-    def _inputs_passed_as_none(self) -> dict[str, None]:
-        """The inputs the layers require but the stack does not compute (`OPTIONAL_LAYER_INPUTS`), as None; a config
-        that needs one of them is refused."""
-        known = {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache"}
-        for name, flag in OPTIONAL_LAYER_INPUTS.items():
-            if getattr(self.config, flag, False):
-                raise ValueError(self._unsupported_input(name, flag))
-        absent = {}
-        for name in _compat.required_layer_inputs(type(self.layers[0])):
-            if name in known or name == self._cache_kwarg:
-                continue
-            if name not in OPTIONAL_LAYER_INPUTS:
-                raise ValueError(self._unsupported_input(name, None))
-            absent[name] = None
-        return absent
-
-    def _unsupported_input(self, name: str, flag: str | None) -> str:
-        return (
-            f"{type(self.model).__name__}'s decoder layers need `{name}`"
-            + (f" (config.{flag} is set)" if flag else "")
-            + ", which early-exit-router does not compute; this configuration is not supported."
-        )
-
     def _mask_kind(self, layer_idx: int) -> str:
         rule = self.spec.mask_rule
         if rule == "layer_types":
@@ -222,8 +201,16 @@ class LayerStack:
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def new_cache(self) -> Any:
+    def new_cache(self, static_slots: int | None = None) -> Any:
+        """An empty cache: dynamic, or with `static_slots` a static one (the compiled passes'), None where the
+        model's layers cannot use one."""
+        if static_slots is not None:
+            return _compat.new_static_cache(self.config, static_slots)
         return _compat.new_cache(self.config)
+
+    def compiled_layers(self) -> CompiledLayers | None:
+        """The compiled passes over a static cache (`compiled.py`), None where they do not compile here."""
+        return compiled_layers(self)
 
     def embed(self, input_ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """(b, q) token ids at positions start..start+q-1 (or at `positions`, (b, q), for left-padded rows) ->
@@ -258,14 +245,14 @@ class LayerStack:
         """
         q = hidden.shape[1]
         if start >= stop or pad_to <= q:
-            return self._run(hidden, start, stop, cache, positions, attention_mask)
+            return run_range(self, hidden, start, stop, cache, positions, attention_mask)
         extra = pad_to - q
         # (b, q) -> (b, pad_to): the throw-away positions continue each row's count
         steps = torch.arange(1, extra + 1, device=positions.device).unsqueeze(0)
         padded_positions = torch.cat([positions, positions[:, -1:] + steps], dim=1)
         if attention_mask is not None:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], extra)], 1)
-        out = self._run(_pad_rows(hidden, pad_to), start, stop, cache, padded_positions, attention_mask)
+        out = run_range(self, _pad_rows(hidden, pad_to), start, stop, cache, padded_positions, attention_mask)
         for layer_idx in range(start, stop):
             _compat.drop_last_positions(cache, layer_idx, extra)
         return out[:, :q]
@@ -368,12 +355,18 @@ class LayerStack:
             return self.rotary_emb(hidden, positions, kind)
         return self.rotary_emb(hidden, positions)
 
-    def logits(self, hidden: torch.Tensor, pad_to: int = 0, precise: bool = False) -> torch.Tensor:
+    def logits(
+        self, hidden: torch.Tensor, pad_to: int = 0, precise: bool = False, compiled: bool = False
+    ) -> torch.Tensor:
         """Final norm + LM head (+ soft-capping where configured): (1, q, hidden) -> (1, q, vocab).
 
         `pad_to > q` computes that many rows (copies of the last) and returns the first q: see `run`. `precise`, on a
-        bf16/fp16 head, returns float32 logits whose leading entries are the float32 product (`precise_logits.py`)."""
+        bf16/fp16 head, returns float32 logits whose leading entries are the float32 product (`precise_logits.py`).
+        `compiled`: one position's head runs as a compiled graph where the passes compile (`compiled_layers`)."""
         q = hidden.shape[1]
+        logits = compiled_logits(self, hidden, pad_to, precise) if compiled else None
+        if logits is not None:
+            return logits
         normed = self.final_norm(_pad_rows(hidden, pad_to))
         return self._finish(self._head(normed)[:, :q], normed[:, :q], precise)
 
@@ -418,6 +411,31 @@ class LayerStack:
     def weight_formats(self) -> set[str]:
         """The storage types of the model's weights: "dense", or a quantized tensor type's name."""
         return {type(p).__name__ if is_quantized(p) else "dense" for p in self.model.parameters()}
+
+
+def _inputs_passed_as_none(model: nn.Module, layer: nn.Module, cache_kwarg: str) -> dict[str, None]:
+    """The inputs the layers require but the stack does not compute (`OPTIONAL_LAYER_INPUTS`), as None; a config
+    that needs one of them is refused."""
+    known = {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "use_cache"}
+    for name, flag in OPTIONAL_LAYER_INPUTS.items():
+        if getattr(model.config, flag, False):
+            raise ValueError(_unsupported_input(model, name, flag))
+    absent = {}
+    for name in _compat.required_layer_inputs(type(layer)):
+        if name in known or name == cache_kwarg:
+            continue
+        if name not in OPTIONAL_LAYER_INPUTS:
+            raise ValueError(_unsupported_input(model, name, None))
+        absent[name] = None
+    return absent
+
+
+def _unsupported_input(model: nn.Module, name: str, flag: str | None) -> str:
+    return (
+        f"{type(model).__name__}'s decoder layers need `{name}`"
+        + (f" (config.{flag} is set)" if flag else "")
+        + ", which early-exit-router does not compute; this configuration is not supported."
+    )
 
 
 def _linears(module: nn.Module) -> list[nn.Module]:

@@ -77,7 +77,8 @@ def sdpa_native_gqa(
     if plain:
         sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
         return sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    _native_calls[0] += 1
+    if not torch.compiler.is_compiling():  # a count in a graph would be a guard that fails at every call
+        _native_calls[0] += 1
     mask = _additive_mask(attention_mask, query.dtype)
     # With a mask HF's sdpa never sets is_causal; (b, heads, q, d) -> (b, q, heads, d) as it returns it.
     out = F.scaled_dot_product_attention(

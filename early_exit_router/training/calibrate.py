@@ -276,6 +276,8 @@ def _calibrate(
         assistant_early_exit=(),
         prompt_lookup_num_tokens=0,
         no_repair_arm=False,
+        hf_compiled=False,
+        compiled=False,
     )
     sweep = run_bench(router, calibration_prompts, bench_cfg, progress=progress)
     rows = {row["threshold"]: row for row in sweep.summary if row["category"] == "all" and row["threshold"] is not None}

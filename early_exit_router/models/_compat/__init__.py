@@ -13,6 +13,8 @@
   releases, `past_key_values` before; the mask builders take `cache=` or `past_key_values=` likewise.
 * Cache layers: `GrowingLayer` is a `DynamicLayer` (its `update`, `crop`, `reset` and `keys`/`values` attributes)
   whose states are views of buffers with room to grow.
+* Static caches (`static_cache.py`, the compiled passes' cache): `StaticLayer`'s buffers, per-layer length tensor
+  and `max_cache_len`.
 * Saved folders other releases read: 5.x writes RoPE settings only as `rope_parameters` and names its fast tokenizer
   `TokenizersBackend`, neither of which 4.x knows (`add_legacy_config_fields`, `portable_tokenizer_class`).
 """
@@ -190,7 +192,9 @@ def trim_sliding(cache: DynamicCache) -> None:
 def crop_cache_layer(cache: DynamicCache, layer_idx: int, keep: int) -> None:
     """Crop one layer of `cache` to its first `keep` positions (a negative count: the same meaning in 4.x and 5.x)."""
     remove = cache.get_seq_length(layer_idx) - keep
-    if remove > 0:
+    if remove > 0 and is_static(cache):
+        drop_static_slots(cache.layers[layer_idx], int(remove))
+    elif remove > 0:
         cache.layers[layer_idx].crop(-remove)
 
 
@@ -211,6 +215,14 @@ def release_inference_tensors(cache: Any) -> None:
         for name, value in list(vars(layer).items()):
             if isinstance(value, torch.Tensor):
                 setattr(layer, name, released(value))
+
+
+def handed_back(cache: Any, config: Any) -> Any:
+    """A finished decode's cache as its caller gets it: dynamic (a static one's states copied), `released`."""
+    if is_static(cache):
+        cache = as_dynamic(cache, config)
+    release_inference_tensors(cache)
+    return cache
 
 
 def drop_last_positions(cache: DynamicCache, layer_idx: int, count: int) -> None:
@@ -256,6 +268,8 @@ def build_mask(
         builder = MASK_BUILDERS[kind]
     except KeyError:
         raise NotImplementedError(f"Attention layer type {kind!r} is not supported yet.") from None
+    if attention_mask is not None and attention_mask.dim() == 4 and is_static(cache):  # a tree's, over static slots
+        attention_mask = pad_custom_mask(attention_mask, cache, layer_idx)
     return builder(
         config=config,
         inputs_embeds=hidden,
@@ -311,6 +325,19 @@ def merged_generation_config(model: Any, config: Any, kwargs: dict[str, Any]) ->
     merged = copy.deepcopy(config or model.generation_config)
     merged.update(**{k: v for k, v in kwargs.items() if hasattr(merged, k)})
     return merged
+
+
+def compiled_generate_kwargs(max_cache_len: int, device: torch.device) -> dict[str, Any]:
+    """generate() arguments for HF's own fast path: a static cache of `max_cache_len` slots (one size for every call,
+    so the compiled step is not compiled again for a longer prompt) and the decode step compiled by torch.compile
+    with transformers' CompileConfig. generate() compiles on its own only on accelerators; elsewhere (a CPU) it
+    compiles when the config's private `_compile_all_devices` says so (5.20-5.25), which is what a user asking for
+    compilation means. CUDA graphs ("reduce-overhead", HF's default mode) exist only on CUDA."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    compile_config = CompileConfig() if device.type == "cuda" else CompileConfig(mode="default")
+    compile_config._compile_all_devices = True
+    return {"cache_implementation": "static", "max_cache_len": max_cache_len, "compile_config": compile_config}
 
 
 def syncs_gpus(model: Any, synced_gpus: bool | None) -> bool:
@@ -429,3 +456,14 @@ def portable_tokenizer_class(out: Path) -> None:
     if config.get("tokenizer_class") == "TokenizersBackend":
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
         path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+from early_exit_router.models._compat.static_cache import (  # noqa: E402, F401 (this module's names too)
+    as_dynamic,
+    drop_static_slots,
+    is_static,
+    make_room,
+    new_static_cache,
+    pad_custom_mask,
+    static_held,
+)
