@@ -59,6 +59,21 @@ def test_compiled_verify_is_plain_greedy_through_trees_and_rollbacks_with_a_full
     assert_same_model(before, model_fingerprint(model))
 
 
+def test_one_compiled_graph_serves_every_decoder_layer():
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama(3, layers=12)
+    ids = repetitive_prompt(3)
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    router = compiled_router(model, **MIXED)
+    before = counters["stats"]["unique_graphs"]
+    out = router.generate(ids, max_new_tokens=24, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    # a mask graph per range start (0, 2, 4), the layer graph, the head: not a graph per layer
+    assert 0 < counters["stats"]["unique_graphs"] - before <= 6 < model.config.num_hidden_layers
+    assert {key for key in router.stack.compiled_layers()._seen if key[0] == "layer"} == {("layer", 256)}
+
+
 def test_a_decode_longer_than_its_static_cache_grows_it(monkeypatch):
     monkeypatch.setattr(static_cache, "STATIC_ROOM", 8)  # lengths of 8, 16, 32...: growths in one decode
     # sized for the prompt and 2 slots (as an "until EOS" caller's cache is, past SLOTS_AHEAD), then grown
@@ -99,18 +114,26 @@ def test_where_passes_cannot_compile_they_run_eagerly_and_say_why(caplog):
     ids = torch.cat([repetitive_prompt(0), repetitive_prompt(1)])
     ref = router.generate(ids, max_new_tokens=12, mode="verify", config={"compile": False}).sequences
     assert torch.equal(router.generate(ids, max_new_tokens=12, mode="verify").sequences, ref)
-    # a compiler failure: logged once, and the decode goes on eagerly, from the layer where it failed
-    router = compiled_router(tiny_llama(2))
+    # a graph that fails (here after writing its layer's slots, mid-range): logged once, and the decode goes on
+    # eagerly from the layer where it failed, that layer's length put back first
+    model = tiny_llama(2)
+    ids = repetitive_prompt(2)
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    router = compiled_router(model)
     compiled = router.stack.compiled_layers()
+    layer_graph, calls = compiled._layer, []
 
     def broken(*args):
-        raise RuntimeError("inductor could not compile this")
+        calls.append(layer_graph(*args))
+        if len(calls) == 3:  # the third layer of the first compiled step
+            raise RuntimeError("inductor could not compile this")
+        return calls[-1]
 
     compiled._layer = broken
-    ids = repetitive_prompt(2)
     with caplog.at_level(logging.WARNING, logger="early_exit_router.models.compiled"):
         out = router.generate(ids, max_new_tokens=24, mode="verify")
-    assert torch.equal(out.sequences, router.model.generate(ids, max_new_tokens=24, do_sample=False))
+    assert torch.equal(out.sequences, ref) and len(calls) == 3
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
     assert compiled.failed == "RuntimeError: inductor could not compile this"
     assert "compiled passes failed (RuntimeError: inductor could not compile this); eager passes" in caplog.text
 

@@ -63,6 +63,7 @@ from early_exit_router.heads.block import BlockContext
 from early_exit_router.heads.exit_heads import ExitHeads
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
+from early_exit_router.models.compiled import compile_unsupported, say_eager
 from early_exit_router.routing.costs import CostModel
 from early_exit_router.routing.exit_rule import FULL_DEPTH, ExitRule
 from early_exit_router.routing.ngram import SuffixStore
@@ -380,12 +381,18 @@ def decode_cache(decoder: Decoder, n: int, requests: list[DecodeRequest], rows_m
     (rows joining, leaving and left-padded need dynamic layers), where the model can use one. Its static length
     holds the prompt, the new tokens (up to SLOTS_AHEAD; more grow it) and the drafts and trees past them, or the
     longest this stack's decodes needed so far (one length: the graphs compiled for it serve every call)."""
-    one = decoder.config.compile and len(requests) == 1 and not rows_may_join
-    compiled = decoder.stack.compiled_layers() if one else None
-    cache = None
-    if compiled is not None:
-        cfg = decoder.config
-        ahead = cfg.max_pending + cfg.ngram_tree_nodes + 16  # past the last token: tree nodes, a pass's padded rows
+    cfg, stack = decoder.config, decoder.stack
+    if not cfg.compile:
+        return stack.new_cache()
+    compiled = stack.compiled_layers()
+    reason = compile_unsupported(stack) if compiled is None else compiled.failed
+    reason = reason or ("a batch" if len(requests) > 1 else "rows may join" if rows_may_join else None)
+    ahead = cfg.max_pending + cfg.ngram_tree_nodes + 16  # past the last token: tree nodes, a pass's padded rows
+    if reason is None:
         compiled.static_slots = max(compiled.static_slots, n + min(requests[0].max_new_tokens, SLOTS_AHEAD) + ahead)
-        cache = decoder.stack.new_cache(compiled.static_slots)
-    return decoder.stack.new_cache() if cache is None else cache
+        cache = stack.new_cache(compiled.static_slots)
+        reason = None if cache is not None else "its layers cannot use a static cache"
+    if reason is not None:
+        say_eager(reason)
+        return stack.new_cache()
+    return cache

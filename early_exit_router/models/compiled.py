@@ -29,6 +29,7 @@ COMPILED_ROWS = (1,)  # positions per pass that run compiled
 # Graphs per compiled function: one per range start (mask graphs) and static length; dynamo's default of 8 would fall
 # back to eager without a word once a model with several exits had used them up.
 RECOMPILE_LIMIT = 64
+_LIMIT_KEY = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"  # < 2.7
 
 
 class LayerView:
@@ -54,6 +55,9 @@ def compile_unsupported(stack: Any) -> str | None:
         return "quantized weights"
     if stack.device.type not in ("cpu", "cuda"):
         return f"device {stack.device.type} (compiled passes run on CPUs and CUDA)"
+    implementation = getattr(stack.config, "_attn_implementation", None) or "eager"
+    if implementation not in ("sdpa", "eager"):  # flash kernels take no mask: they would read the unwritten slots
+        return f"attention implementation {implementation!r} (compiled passes take sdpa or eager attention)"
     if stack.device.type == "cpu" and stack.dtype != torch.float32:
         # measured on SmolLM2, Xeon with AMX: 47.9 ms a compiled step against 44.2 from the packed weights
         return f"{str(stack.dtype).replace('torch.', '')} on a CPU, where the prepacked products are faster"
@@ -106,11 +110,12 @@ class CompiledLayers:
         stays there, logged) where a graph fails to compile."""
         views = _views(cache)
         length = cache.layers[start].max_cache_len  # the static length: part of every graph's shapes
+        held = cache.layers[start].cumulative_length.clone()  # every layer of the range holds these slots
         j = start
         try:
             # Grouped heads attend without copying the static buffers (`attention.py`): a static cache's step has
             # a mask (the unwritten slots), which makes HF's sdpa repeat every key and value head over its length.
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), self.stack._attention(2):
+            with torch._dynamo.config.patch(**{_LIMIT_KEY: RECOMPILE_LIMIT}), self.stack._attention(2):
                 mask, rotary = self._call(self._prep, ("range", start, length), self.stack, hidden, cache, positions,
                                           start)  # fmt: skip
                 for j in range(start, stop):
@@ -119,6 +124,7 @@ class CompiledLayers:
                                         rotary, views[j])  # fmt: skip
         except Exception as error:  # noqa: BLE001 (any compiler failure: the eager pass is always there)
             self._fail(error)
+            cache.layers[j].cumulative_length.copy_(held)  # a graph that failed after writing: its slots again
             return self.stack._run(hidden, j, stop, cache, positions, None)
         return hidden
 
@@ -127,7 +133,7 @@ class CompiledLayers:
         if self.failed is not None:
             return None
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            with torch._dynamo.config.patch(**{_LIMIT_KEY: RECOMPILE_LIMIT}):
                 # a fresh tensor: a prefill's last row keeps the prompt's stride, a guard that would fail per length
                 return self._call(self._head, ("head",), self.stack, hidden.new_empty(hidden.shape).copy_(hidden))
         except Exception as error:  # noqa: BLE001
@@ -193,3 +199,13 @@ def compiled_logits(stack: Any, hidden: torch.Tensor, pad_to: int, precise: bool
         return None
     compiled = compiled_layers(stack)
     return None if compiled is None else compiled.logits(hidden)
+
+
+_said: set[str] = set()
+
+
+def say_eager(reason: str) -> None:
+    """Log once per process and reason why a decode asked to compile runs its passes eagerly."""
+    if reason not in _said:
+        _said.add(reason)
+        logger.warning("early-exit-router: compile=True, but this decode's passes run eagerly: %s", reason)
