@@ -94,6 +94,7 @@ def test_a_decode_longer_than_its_static_cache_grows_it(monkeypatch):
     monkeypatch.setattr(_compat, "make_room", watched)
     out = router.generate(ids, max_new_tokens=48, mode="verify")
     assert torch.equal(out.sequences, ref) and grown  # grown mid-decode, every state carried over
+    assert router.stack.compiled_layers().static_slots == grown[-1]  # later decodes start at the grown length
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
 
 

@@ -187,6 +187,8 @@ def run_range(
     if start < stop and _compat.is_static(cache):
         _compat.make_room(cache, start, _compat.static_held(cache, start) + hidden.shape[1])
         compiled = compiled_layers(stack)
+        if compiled is not None:  # a grown cache: later decodes start at its length (its graphs are compiled)
+            compiled.static_slots = max(compiled.static_slots, cache.layers[start].max_cache_len)
         if compiled is not None and compiled.serves(hidden, attention_mask):
             return compiled.run(hidden, start, stop, cache, positions)
     return stack._run(hidden, start, stop, cache, positions, attention_mask)
