@@ -315,8 +315,8 @@ class DraftingOptions:
     compile: bool = field(
         default=False,
         metadata={
-            "help": "One sequence's one-position passes run as torch.compile graphs over a static KV cache, one graph "
-            "per pass shape shared by every decoder layer (compiled once per process, seconds; inductor caches it on "
+            "help": "One sequence's one-position passes run as torch.compile graphs over a static KV cache, each graph "
+            "shared by every group of layers of its size (compiled once per process, seconds; inductor caches it on "
             "disk). Where a family, device or dtype cannot use them (or compiling fails), eager passes run, logged."
         },
     )

@@ -12,7 +12,7 @@ from early_exit_router import EarlyExitRouter, RouterConfig
 from early_exit_router.decode import loop
 from early_exit_router.models import _compat
 from early_exit_router.models._compat import static_cache
-from early_exit_router.models.compiled import compile_unsupported
+from early_exit_router.models.compiled import GROUP, compile_unsupported
 
 from .conftest import MIXED, assert_cache_matches_full_forward, assert_same_model, model_fingerprint, tiny_llama
 from .test_architectures import DISCOVERED, FAMILIES, build
@@ -43,7 +43,7 @@ def test_compiled_verify_is_plain_greedy_through_trees_and_rollbacks_with_a_full
     assert torch.equal(out.sequences, ref)
     assert out.stats.policy_cycles.get("tree", 0) >= 1  # tree passes ran on the static cache, under their own mask
     assert out.stats.draft_acceptance < 1  # rejected drafts: rollbacks (length updates)
-    assert graphs_used(router) == {"range", "layer", "head"}  # plain steps ran as graphs
+    assert graphs_used(router) == {"range", "layers", "head"}  # plain steps ran as graphs
     assert type(out.cache) is _compat.DynamicCache  # what the caller gets back is a cache like any other
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
     # the same again with exits on (segments that lag behind one another, filled layer-wise) and in exit mode
@@ -69,9 +69,12 @@ def test_one_compiled_graph_serves_every_decoder_layer():
     before = counters["stats"]["unique_graphs"]
     out = router.generate(ids, max_new_tokens=24, mode="verify")
     assert torch.equal(out.sequences, ref)
-    # a mask graph per range start (0, 2, 4), the layer graph, the head: not a graph per layer
-    assert 0 < counters["stats"]["unique_graphs"] - before <= 6 < model.config.num_hidden_layers
-    assert {key for key in router.stack.compiled_layers()._seen if key[0] == "layer"} == {("layer", 256)}
+    # a mask graph per range start (0, 2, 4), a graph for a group of layers and one for a single layer, the head
+    assert 0 < counters["stats"]["unique_graphs"] - before <= 7 < model.config.num_hidden_layers
+    assert {key for key in router.stack.compiled_layers()._seen if key[0] == "layers"} == {
+        ("layers", 1, 256),
+        ("layers", GROUP, 256),
+    }
 
 
 def test_a_decode_longer_than_its_static_cache_grows_it(monkeypatch):
@@ -122,15 +125,15 @@ def test_where_passes_cannot_compile_they_run_eagerly_and_say_why(caplog):
     ref = model.generate(ids, max_new_tokens=24, do_sample=False)
     router = compiled_router(model)
     compiled = router.stack.compiled_layers()
-    layer_graph, calls = compiled._layer, []
+    layer_graph, calls = compiled._layers, []
 
     def broken(*args):
         calls.append(layer_graph(*args))
-        if len(calls) == 3:  # the third layer of the first compiled step
+        if len(calls) == 3:  # the third graph call of the first compiled step (a group of layers, or one)
             raise RuntimeError("inductor could not compile this")
         return calls[-1]
 
-    compiled._layer = broken
+    compiled._layers = broken
     with caplog.at_level(logging.WARNING, logger="early_exit_router.models.compiled"):
         out = router.generate(ids, max_new_tokens=24, mode="verify")
     assert torch.equal(out.sequences, ref) and len(calls) == 3

@@ -1,10 +1,11 @@
 """Compiled passes: positions through the decoder layers as torch.compile graphs over a static KV cache.
 
-One graph per pass shape serves every decoder layer: dynamo lifts a module's weights to graph inputs, and each layer
-sees its cache through a `LayerView` (its own static buffers, whatever index its attention passes), so the layer
-index never reaches the graph. Compiling then costs seconds once per process (inductor keeps its artifacts on disk
-for the next), not a graph per layer range. A range's mask and rotary tables are one more small graph, the final norm
-and LM head another. The mask is HF's own (`_compat.build_mask` against the static cache); routing decisions stay in
+One graph per pass shape serves every group of `GROUP` consecutive decoder layers (and one more every single layer):
+dynamo lifts a module's weights to graph inputs, and each layer sees its cache through a `LayerView` (its own static
+buffers, whatever index its attention passes), so no layer index reaches a graph. Compiling then costs seconds once
+per process (inductor keeps its artifacts on disk for the next), not a graph per layer range. A range's mask and
+rotary tables are one more small graph, the final norm and LM head another. The mask is HF's own
+(`_compat.build_mask` against the static cache); routing decisions stay in
 Python between graphs.
 
 Only what measured faster compiles: one position (a plain step) in float32 on a CPU, and on CUDA; wider chunks (the
@@ -26,6 +27,9 @@ from early_exit_router.models.precise_logits import refines
 logger = logging.getLogger(__name__)
 
 COMPILED_ROWS = (1,)  # positions per pass that run compiled
+# Consecutive layers per graph call (a range's rest runs one layer a call): fewer calls and fusion across layers.
+# Measured, a float32 SmolLM2 step: 35.2 ms one layer a call, 30.0 in groups of 6 (12 s to compile), 30.3 of 15 (28 s).
+GROUP = 6
 # Graphs per compiled function: one per range start (mask graphs) and static length; dynamo's default of 8 would fall
 # back to eager without a word once a model with several exits had used them up.
 RECOMPILE_LIMIT = 64
@@ -72,10 +76,13 @@ def _range_inputs(stack: Any, hidden: torch.Tensor, cache: Any, positions: torch
     return mask, stack._position_embeddings(hidden, positions, kind)
 
 
-def _layer_pass(
-    stack: Any, layer: nn.Module, hidden: torch.Tensor, mask: Any, positions: torch.Tensor, rotary: Any, view: Any
-) -> torch.Tensor:
-    return stack._call_layer(layer, hidden, mask, positions, rotary, view)
+def _layers_pass(
+    stack: Any, layers: tuple[nn.Module, ...], hidden: torch.Tensor, mask: Any, positions: torch.Tensor, rotary: Any,
+    views: tuple[Any, ...],
+) -> torch.Tensor:  # fmt: skip
+    for layer, view in zip(layers, views):
+        hidden = stack._call_layer(layer, hidden, mask, positions, rotary, view)
+    return hidden
 
 
 def _head_pass(stack: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -98,7 +105,7 @@ class CompiledLayers:
         options = {"cpp_wrapper": True} if stack.device.type == "cpu" else {}
         kwargs = {"fullgraph": True, "dynamic": False, "options": options}
         self._prep = torch.compile(_range_inputs, **kwargs)
-        self._layer = torch.compile(_layer_pass, **kwargs)
+        self._layers = torch.compile(_layers_pass, **kwargs)
         self._head = torch.compile(_head_pass, **kwargs)
         self._seen: set[tuple] = set()  # (graph, shape) pairs already compiled
 
@@ -111,20 +118,23 @@ class CompiledLayers:
         views = _views(cache)
         length = cache.layers[start].max_cache_len  # the static length: part of every graph's shapes
         held = cache.layers[start].cumulative_length.clone()  # every layer of the range holds these slots
-        j = start
+        j, size = start, 1
         try:
             # Grouped heads attend without copying the static buffers (`attention.py`): a static cache's step has
             # a mask (the unwritten slots), which makes HF's sdpa repeat every key and value head over its length.
             with torch._dynamo.config.patch(**{_LIMIT_KEY: RECOMPILE_LIMIT}), self.stack._attention(2):
                 mask, rotary = self._call(self._prep, ("range", start, length), self.stack, hidden, cache, positions,
                                           start)  # fmt: skip
-                for j in range(start, stop):
-                    layer = self.stack.layers[j]
-                    hidden = self._call(self._layer, ("layer", length), self.stack, layer, hidden, mask, positions,
-                                        rotary, views[j])  # fmt: skip
+                while j < stop:
+                    size = GROUP if stop - j >= GROUP else 1  # two graphs in all: a group, one layer
+                    layers, group_views = tuple(self.stack.layers[j : j + size]), tuple(views[j : j + size])
+                    hidden = self._call(self._layers, ("layers", size, length), self.stack, layers, hidden, mask,
+                                        positions, rotary, group_views)  # fmt: skip
+                    j += size
         except Exception as error:  # noqa: BLE001 (any compiler failure: the eager pass is always there)
             self._fail(error)
-            cache.layers[j].cumulative_length.copy_(held)  # a graph that failed after writing: its slots again
+            for k in range(j, min(j + size, stop)):  # a graph that failed after writing: its slots again
+                cache.layers[k].cumulative_length.copy_(held)
             return self.stack._run(hidden, j, stop, cache, positions, None)
         return hidden
 
