@@ -94,6 +94,7 @@ class CompiledLayers:
 
     def __init__(self, stack: Any) -> None:
         self.stack = stack
+        self._layers_in_order = tuple(stack.layers)  # sliced per call (a ModuleList slice builds a module)
         self.failed: str | None = None
         self.compile_s = 0.0  # seconds spent in first calls (compiling), this process
         # The static length decodes take: the longest any needed so far (shorter ones reuse its graphs, as HF's
@@ -127,7 +128,7 @@ class CompiledLayers:
                                           start)  # fmt: skip
                 while j < stop:
                     size = GROUP if stop - j >= GROUP else 1  # two graphs in all: a group, one layer
-                    layers, group_views = tuple(self.stack.layers[j : j + size]), tuple(views[j : j + size])
+                    layers, group_views = self._layers_in_order[j : j + size], tuple(views[j : j + size])
                     hidden = self._call(self._layers, ("layers", size, length), self.stack, layers, hidden, mask,
                                         positions, rotary, group_views)  # fmt: skip
                     j += size
