@@ -41,7 +41,7 @@ setup() {
 command="${1:-help}"
 shift || true
 case "$command" in
-    generate|bench|bench-batch|calibrate|profile|export-draft|train-heads|eval-heads|survey|memory|serve|loadtest)
+    generate|bench|bench-batch|calibrate|profile|export-draft|train-heads|adapt-base|eval-heads|survey|memory|serve|loadtest)
         setup
         exec "$VENV/bin/early-exit-router" "$command" "$@"
         ;;

@@ -26,7 +26,11 @@ from early_exit_router.decode.output import GenerationOutput, run_rows_alone, ru
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stats import GenerationStats
 from early_exit_router.decode.stopping import DecodeRequest, as_criteria, as_stop_strings, eos_ids_for, pad_id_for
+from early_exit_router.heads.adapted_base import apply_adaptation, copy_adapted
 from early_exit_router.heads.checkpoint import (
+    CONFIG_NAME,
+    KNOWN_EXTRA_FILES,
+    WEIGHTS_NAME,
     SavedRouter,
     heads_from_saved,
     is_router_dir,
@@ -87,6 +91,7 @@ class EarlyExitRouter:
         # by every call, so two threads calling `generate` are served one after the other, never interleaved
         # inside a step. Re-entrant, so a streamer may itself call `generate`.
         self.lock = hf_generate.RouterLock()
+        self.adapted_from: tuple[Path, dict[str, Any]] | None = None  # (folder, entry): the base is adapt-base's
 
     # -------------------------------------------------------------------------------------------- construction
     @classmethod
@@ -118,6 +123,11 @@ class EarlyExitRouter:
         name = str(Path(name).resolve()) if Path(name).exists() else name  # a relative path: from anywhere later
         if heads is not None:
             saved = saved_router(str(heads)) or load_router(heads)  # load_router says what is missing
+            if saved.adapted:
+                raise ValueError(
+                    f"{heads} holds an adapted base (adapt-base): its exits need the adapted weights, which from_model "
+                    f"does not put into your model. Load it with EarlyExitRouter.from_pretrained({str(heads)!r})."
+                )
             return cls._from_saved(model, tokenizer, saved, config, name, pack_weights, **overrides)
         config = (config or RouterConfig()).replace(**overrides) if overrides else (config or RouterConfig())
         stack = stack_for(model)
@@ -153,12 +163,21 @@ class EarlyExitRouter:
         dtype, (config, overrides) = parse_dtype(dtype), split_config(config, overrides, RouterConfig)
         RouterConfig.check_names(overrides)  # before any weight is loaded
         saved = saved_router(str(name_or_path))
+        if quantize and saved is not None and saved.adapted and saved.adapted["format"] == "lora":
+            raise ValueError(
+                f"{name_or_path} is a LoRA-adapted base, which merges into dense weights: load it without quantize, or "
+                "run adapt-base with --merge and quantize the merged folder when loading it."
+            )
         source = saved_base(str(name_or_path), saved) if is_router_dir(str(name_or_path)) else str(name_or_path)
         model, tokenizer, name = load_base_model(source, dtype, device, quantize)
+        if saved is not None and saved.adapted:
+            model = apply_adaptation(model, saved.path, saved.adapted)
         if saved is None or fresh_heads:
             router = cls.from_model(model, tokenizer, config, name_or_path=name, pack_weights=pack_weights, **overrides)
         else:
             router = cls._from_saved(model, tokenizer, saved, config, name, pack_weights, **overrides)
+        if saved is not None and saved.adapted:
+            router.adapted_from = (saved.path, saved.adapted)
         if warm_up:
             router.warm_up()
         return router
@@ -457,5 +476,9 @@ class EarlyExitRouter:
 
     # ----------------------------------------------------------------------------------------------- save/load
     def save_pretrained(self, path: str | Path) -> None:
-        """Write `early_exit_config.json` and `early_exit_heads.safetensors` (heads only, never base weights)."""
-        save_router(path, self.config, self.heads, self.stack, self.name_or_path)
+        """Write `early_exit_config.json` and `early_exit_heads.safetensors` (heads only, never base weights; an
+        adapted base's LoRA or merged model is copied along, so that the folder loads as this router)."""
+        adapted = self.adapted_from[1] if self.adapted_from else None
+        if self.adapted_from:
+            copy_adapted(self.adapted_from[0], Path(path), adapted, {CONFIG_NAME, WEIGHTS_NAME, *KNOWN_EXTRA_FILES})
+        save_router(path, self.config, self.heads, self.stack, self.name_or_path, adapted)

@@ -183,11 +183,12 @@ def run_bench(
     if cfg.repeats < 1 or cfg.max_new_tokens < 1:
         raise ValueError(f"repeats and max_new_tokens must be >= 1, got {cfg.repeats} and {cfg.max_new_tokens}.")
     others = dict(others or {})
-    base = (base_identity(router.stack, ""), router.stack.dtype) if others else None
+    base = (base_identity(router.stack, ""), router.stack.dtype, _adapted(router)) if others else None
     for label, other in others.items():  # one base (its LM head and final norm, checked numerically) in one dtype
-        if (base_identity(other.stack, ""), other.stack.dtype) != base:
+        if (base_identity(other.stack, ""), other.stack.dtype, _adapted(other)) != base:
             raise ValueError(f"Heads {label!r} run on {other.name_or_path} in {other.stack.dtype}, not on the base and "
-                             "dtype of --model: compare heads trained for one base model, in one dtype.")  # fmt: skip
+                             "dtype of --model (or an adapt-base folder's other weights): compare heads trained for "
+                             "one base model, in one dtype.")  # fmt: skip
     arms = build_arms(router, cfg, list(others))
     if cfg.temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {cfg.temperature}.")
@@ -301,3 +302,8 @@ def _meta(router: Any, cfg: BenchConfig, prompts: Sequence[dict]) -> dict[str, A
         "decoding": f"sampled at temperature {cfg.temperature}" if cfg.temperature > 0 else "greedy",
         "peak_memory": "peak allocated CUDA memory" if device.type == "cuda" else "process resident high-water mark",
     }
+
+
+def _adapted(router: Any) -> str | None:
+    """The adapt-base folder whose weights `router`'s model holds (None: the base as it was)."""
+    return str(router.adapted_from[0].resolve()) if getattr(router, "adapted_from", None) else None

@@ -9,6 +9,7 @@ import warnings
 from types import ModuleType
 
 from early_exit_router.cli import (
+    adapt_base,
     bench,
     bench_batch,
     calibrate,
@@ -28,6 +29,7 @@ COMMANDS: dict[str, ModuleType] = {
     "generate": generate,
     "train-heads": train_heads,
     "eval-heads": eval_heads,
+    "adapt-base": adapt_base,
     "bench": bench,
     "loadtest": loadtest,
     "bench-batch": bench_batch,
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # the command as given, for reports
     warnings.simplefilter("default", UserWarning)  # (torchao's import noise is quieted by the package's import)
     command = COMMANDS.get(args.command)
     if command is None:

@@ -188,8 +188,12 @@ def _reference_dtype(args: argparse.Namespace, router: Any) -> str | None:
 
 
 def _reference_model(args: argparse.Namespace, router: Any, dtype: str) -> Any:
-    """The base model again in `dtype`, dense: the model whose judgement a bf16 or quantized arm is held to."""
+    """The base model again in `dtype`, dense (adapted, for an adapt-base router): the model whose judgement a bf16 or
+    quantized arm is held to."""
+    from early_exit_router.heads.adapted_base import apply_adaptation
     from early_exit_router.models.loading import load_base_model, parse_dtype
 
     model, _, _ = load_base_model(router.name_or_path, parse_dtype(dtype), args.device, None)
+    if router.adapted_from is not None:  # an adapt-base router is held to its adapted model
+        model = apply_adaptation(model, *router.adapted_from)
     return model.eval()

@@ -54,7 +54,14 @@ def run(args: argparse.Namespace) -> int:
         rows = quality_table(exit_signals(router, cache))
         tables[name] = {"positions": len(cache), "rows": as_dicts(rows)}
         print(format_table(f"{name}: {len(cache)} positions", rows) + "\n")
+    against: dict = {}
+    if router.adapted_from is not None:  # an adapt-base folder: its model against the original, too
+        from early_exit_router.training.adapt_quality import against_original
+
+        text, against = against_original(router, sources)
+        print(text)
     if args.json:
+        report = {"model": router.describe(), "config": router.config.to_dict(), "tables": tables}
         with open(args.json, "w") as f:
-            json.dump({"model": router.describe(), "config": router.config.to_dict(), "tables": tables}, f, indent=2)
+            json.dump(report | ({"against_original": against} if against else {}), f, indent=2)
     return 0

@@ -152,6 +152,46 @@ def read_prompts(path: str | None, shipped: str, fields: tuple[str, ...] = ("pro
         ) from None
 
 
+def add_corpus_options(parser: argparse.ArgumentParser, max_tokens: int, self_gen_tokens: int) -> None:
+    """The training text's options (`training/sequences.py`), shared by train-heads and adapt-base."""
+    parser.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help="Corpus size in tokens (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--self-gen-tokens",
+        type=int,
+        default=self_gen_tokens,
+        help="Answer length per training prompt; 0 skips self-generation (default: %(default)s).",
+    )
+    parser.add_argument("--prompts", default=None, help="JSONL of training prompts (default: the shipped set).")
+    parser.add_argument(
+        "--generated-prompts",
+        type=int,
+        default=0,
+        help="Also answer this many prompts built offline (templates, package summaries, text to continue).",
+    )
+    parser.add_argument("--sampled", action="store_true", help="Also add one sampled answer to every prompt.")
+    parser.add_argument("--no-docs", action="store_true", help="Do not train on installed packages' READMEs.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed (default: %(default)s).")
+
+
+def corpus_from_args(router: Any, args: argparse.Namespace) -> tuple[list[list[int]], dict[str, Any]]:
+    """The training text `add_corpus_options` describes, and its manifest."""
+    from early_exit_router.training.sequences import corpus_sequences
+
+    return corpus_sequences(
+        router,
+        args.max_tokens,
+        args.self_gen_tokens,
+        args.prompts,
+        use_docs=not args.no_docs,
+        progress=not args.quiet,
+        extra_prompts=args.generated_prompts,
+        sampled=args.sampled,
+        seed=args.seed,
+    )
+
+
 def check_out_folder(path: str, option: str = "--out") -> None:
     """Refuse, before any model loads or any work is done, an output folder that cannot be created: an existing
     file at `path` or where one of its parent folders would be (the results would otherwise be lost at the end)."""

@@ -9,7 +9,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from early_exit_router.cli.options import add_router_options, check_out_folder, int_list, read_prompts, router_overrides
+from early_exit_router.cli.options import (
+    add_corpus_options,
+    add_router_options,
+    check_out_folder,
+    corpus_from_args,
+    int_list,
+    read_prompts,
+    router_overrides,
+)
 from early_exit_router.models.loading import DEFAULT_MODEL
 
 
@@ -23,7 +31,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     train.add_argument("--model", default=DEFAULT_MODEL, help="Base model: alias, HF folder or .gguf file.")
     train.add_argument("--out", required=True, help="Folder to save the trained router into.")
-    train.add_argument("--max-tokens", type=int, default=120_000, help="Corpus size in tokens (default: %(default)s).")
     train.add_argument("--max-steps", type=int, default=600, help="Optimiser steps (default: %(default)s).")
     train.add_argument(
         "--max-seconds", type=float, default=None, help="A wall-clock training budget instead of --max-steps."
@@ -39,19 +46,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="Learn from this seeded share of the training text, the held-out text unchanged: with --hidden-states, "
         "a learning curve over the corpus' size in one command per share (default: all of it).",
     )
-    train.add_argument("--seed", type=int, default=0, help="Seed (default: %(default)s).")
-    train.add_argument(
-        "--self-gen-tokens", type=int, default=96, help="Answer length per training prompt; 0 skips self-generation."
-    )
-    train.add_argument("--prompts", default=None, help="JSONL of training prompts (default: the shipped set).")
-    train.add_argument(
-        "--generated-prompts",
-        type=int,
-        default=0,
-        help="Also answer this many prompts built offline (templates, package summaries, text to continue).",
-    )
-    train.add_argument("--sampled", action="store_true", help="Also add one sampled answer to every prompt.")
-    train.add_argument("--no-docs", action="store_true", help="Do not train on installed packages' READMEs.")
+    add_corpus_options(train, max_tokens=120_000, self_gen_tokens=96)
     train.add_argument("--no-gates", action="store_true", help="Do not fit learned gates.")
     train.add_argument(
         "--pre-head-gates",
@@ -112,7 +107,6 @@ def run(args: argparse.Namespace) -> int:
     from early_exit_router.training.corpus import TRAIN_PROMPTS
     from early_exit_router.training.distill import distill_router, warm_start
     from early_exit_router.training.hidden_states import HiddenStateCache, build_cache
-    from early_exit_router.training.sequences import corpus_sequences
 
     # The files first: a mistake in them is reported before the model loads and the heads train, not after.
     if args.prompts:
@@ -147,17 +141,7 @@ def run(args: argparse.Namespace) -> int:
         sequences, cache = None, HiddenStateCache.load(states, router.exit_layers)
         manifest = {"hidden_states": str(states), "note": "reused: the corpus was not built again"}
     else:
-        sequences, manifest = corpus_sequences(
-            router,
-            args.max_tokens,
-            args.self_gen_tokens,
-            args.prompts,
-            use_docs=not args.no_docs,
-            progress=not args.quiet,
-            extra_prompts=args.generated_prompts,
-            sampled=args.sampled,
-            seed=args.seed,
-        )
+        sequences, manifest = corpus_from_args(router, args)
         cache = None
         if states is not None:
             cache = build_cache(router.stack, router.exit_layers, sequences, cfg.chunk_len, progress=not args.quiet)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from early_exit_router._version import __version__
 from early_exit_router.config import RouterConfig
+from early_exit_router.heads.adapted_base import ADAPTED_KEY, adapted_files, check_adapted
 from early_exit_router.heads.exit_heads import DRAFT_RANKING, ExitHeads, build_heads
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.models.loading import ALIASES, resolve_alias
@@ -121,12 +122,19 @@ class BaseModelIdentity:
             )
 
 
-def save_router(path: str | Path, config: RouterConfig, heads: ExitHeads, stack: LayerStack, name: str) -> None:
+def save_router(
+    path: str | Path,
+    config: RouterConfig,
+    heads: ExitHeads,
+    stack: LayerStack,
+    name: str,
+    adapted: dict[str, Any] | None = None,
+) -> None:
     """Write the two files of a saved router into `path` (created if needed; an existing folder may hold only a
     saved router, which is replaced): `heads` (never base weights), `config`, and the identity of `stack`'s base
-    model, recorded as `name`."""
+    model, recorded as `name`. `adapted`: the folder also holds an adapted base (`adapted_base.py`), written first."""
     path = Path(path)
-    if path.is_dir() and (unexpected := unexpected_files(path)):  # e.g. the base model's own folder
+    if path.is_dir() and (unexpected := unexpected_files(path, adapted)):  # e.g. the base model's own folder
         raise ValueError(
             f"{path} holds other files ({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''}), "
             "and loading refuses a router folder with files of its own beside it: save to an empty or new folder."
@@ -137,6 +145,7 @@ def save_router(path: str | Path, config: RouterConfig, heads: ExitHeads, stack:
         "library_version": __version__,
         "heads": {"exit_layers": list(heads.exit_layers), "gates": len(heads.gates) > 0},
         "router_config": config.to_dict(),
+        **({ADAPTED_KEY: adapted} if adapted else {}),
         "base_model": base_identity(stack, name).__dict__,  # last: its value samples run to a thousand lines
     }
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
@@ -144,10 +153,11 @@ def save_router(path: str | Path, config: RouterConfig, heads: ExitHeads, stack:
     (path / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def unexpected_files(path: Path) -> list[str]:
+def unexpected_files(path: Path, adapted: dict[str, Any] | None = None) -> list[str]:
     """Names in folder `path` that a saved router does not hold (hidden ones, such as a hub's .gitattributes, are
-    let be: nothing in the folder but the router's own files is ever read)."""
-    known = {CONFIG_NAME, WEIGHTS_NAME, *KNOWN_EXTRA_FILES}
+    let be: nothing in the folder but the router's own files is ever read); `adapted`: those of its adapted base
+    belong."""
+    known = {CONFIG_NAME, WEIGHTS_NAME, *KNOWN_EXTRA_FILES, *adapted_files(path, adapted)}
     return sorted(p.name for p in path.iterdir() if p.name not in known and not p.name.startswith("."))
 
 
@@ -158,6 +168,8 @@ class SavedRouter:
     exit_layers: list[int]
     has_gates: bool
     tensors: dict[str, torch.Tensor]
+    adapted: dict[str, Any] | None = None  # the folder holds an adapted base (`adapted_base.py`)
+    path: Path | None = None  # the folder it was read from
 
     def check_layout(self, config: RouterConfig, overrides: dict[str, Any]) -> None:
         """Refuse a config (and field overrides) whose head layout is not these heads' own: they would not exist."""
@@ -192,16 +204,17 @@ def load_router(path: str | Path) -> SavedRouter:
     for f in (config_file, weights_file):
         if not f.is_file():
             raise FileNotFoundError(f"{f} is missing: a saved router folder holds {CONFIG_NAME} and {WEIGHTS_NAME}.")
-    if unexpected := unexpected_files(path):
-        raise ValueError(
-            f"{path} holds unexpected files {unexpected}: a saved router folder holds only {CONFIG_NAME}, "
-            f"{WEIGHTS_NAME} and the reports {sorted(KNOWN_EXTRA_FILES)}. Move the other files elsewhere "
-            "(nothing else is ever loaded from it, and pickles are never opened)."
-        )
     try:
         meta: dict[str, Any] = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{config_file} is not valid JSON ({exc}): re-save the router with save_pretrained.") from None
+    adapted = check_adapted(meta.get(ADAPTED_KEY), path) if isinstance(meta, dict) else None
+    if unexpected := unexpected_files(path, adapted):
+        raise ValueError(
+            f"{path} holds unexpected files {unexpected}: a saved router folder holds only {CONFIG_NAME}, "
+            f"{WEIGHTS_NAME} and the reports {sorted(KNOWN_EXTRA_FILES)} (and an adapted base's own files). Move "
+            "the other files elsewhere (nothing else is ever loaded from it, and pickles are never opened)."
+        )
     version = meta.get("format_version") if isinstance(meta, dict) else None
     if version != FORMAT_VERSION:
         raise ValueError(
@@ -228,7 +241,7 @@ def load_router(path: str | Path) -> SavedRouter:
     ranking = tensors.get(DRAFT_RANKING)
     if ranking is not None and (ranking.is_floating_point() or ranking.dim() != 1):
         raise ValueError(f"{weights_file}: {DRAFT_RANKING} must be a 1-D integer tensor of token ids; re-save it.")
-    return SavedRouter(config, identity, exit_layers, has_gates, tensors)
+    return SavedRouter(config, identity, exit_layers, has_gates, tensors, adapted, path)
 
 
 def shipped_checkpoint(alias: str) -> Path | None:
@@ -257,10 +270,18 @@ def saved_router(name_or_path: str) -> SavedRouter | None:
 
 def saved_base(path: str, saved: SavedRouter) -> str:
     """Where the base model of the router saved at `path` loads from: the name it recorded, a local path or an alias
-    here (a hub id, or a folder elsewhere, is refused with what to do)."""
+    here (a hub id, or a folder elsewhere, is refused with what to do); a merged adapted base, the folder itself."""
+    if saved.adapted and saved.adapted["format"] == "merged":
+        return path
     source = saved.identity.name_or_path
     if Path(source).exists() or resolve_alias(source) is not None:
         return source
+    if saved.adapted:
+        raise FileNotFoundError(
+            f"The adapted base saved at {path} is a LoRA on {source!r}, which is neither a local path nor an alias "
+            "here (models are never downloaded). Put that base model at the path it was recorded under, or run "
+            "adapt-base again with --merge where the base is, which writes a folder that loads on its own."
+        )
     raise FileNotFoundError(
         f"The router saved at {path} was trained on {source!r}, which is neither a local path nor an alias here "
         "(models are never downloaded). Load that model yourself and put the heads on it: "
@@ -312,6 +333,11 @@ def saved_heads(name_or_path: str | Path, stack: LayerStack, name: str) -> ExitH
         raise ValueError(
             f"{str(name_or_path)!r} holds no saved exit heads: pass a folder written by save_pretrained "
             "(or train-heads), or an alias with shipped heads."
+        )
+    if saved.adapted:
+        raise ValueError(
+            f"{name_or_path} holds an adapted base (adapt-base): its exits are the adapted model's own head, not "
+            "heads for this base. Load it with EarlyExitRouter.from_pretrained; warm-start from a train-heads folder."
         )
     return heads_from_saved(saved, stack, saved.config, name)
 

@@ -118,11 +118,20 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"{str(dtype).replace('torch.', '')} weights (packing pays for float32 and bfloat16)"
     if not _available(BFLOAT16):
         return "this torch build has no oneDNN linear"
-    native = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    if not ((native is not None and native()) or (amx is not None and amx())):
+    if not native_bfloat16(device):
         return "this CPU does not compute bfloat16 natively"
     return None
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether `device` computes in bfloat16 natively (a CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type != "cpu":
+        return False
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool((native is not None and native()) or (amx is not None and amx()))
 
 
 def kernel_for(dtype: torch.dtype | None) -> PackedKernel | None:

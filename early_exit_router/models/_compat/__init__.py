@@ -15,16 +15,20 @@
   whose states are views of buffers with room to grow.
 * Static caches (`static_cache.py`, the compiled passes' cache): `StaticLayer`'s buffers, per-layer length tensor
   and `max_cache_len`.
+* PEFT (adapt-base's LoRA) reads `is_gradient_checkpointing`, which 5.x deprecates with a FutureWarning on every
+  wrap (`quiet_peft`).
 * Saved folders other releases read: 5.x writes RoPE settings only as `rope_parameters` and names its fast tokenizer
   `TokenizersBackend`, neither of which 4.x knows (`add_legacy_config_fields`, `portable_tokenizer_class`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -65,9 +69,22 @@ def required_layer_inputs(layer_cls: type) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.default is inspect.Parameter.empty and p.kind in kinds)
 
 
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """PEFT's wrapping and loading, without transformers' deprecation notice for the attribute PEFT reads."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def layer_output_hidden(output: Any) -> torch.Tensor:
     """The hidden states a decoder layer returned (a tensor in 5.x, the first element of a tuple before)."""
     return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def with_layer_hidden(output: Any, hidden: torch.Tensor) -> Any:
+    """A decoder layer's `output` with its hidden states replaced by `hidden`, in the same form."""
+    return (hidden, *output[1:]) if isinstance(output, (tuple, list)) else hidden
 
 
 class GrowingLayer(DynamicLayer):
