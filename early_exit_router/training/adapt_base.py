@@ -25,14 +25,13 @@ from early_exit_router.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, save_r
 from early_exit_router.heads.exit_heads import build_heads
 from early_exit_router.training.config import AdaptConfig
 from early_exit_router.training.layerskip_trainer import (
-    CURVE_NAME,
     EVAL_CHUNKS,
     STATE_DIR,
     AdaptResult,
     LayerSkipTrainer,
 )
 
-REPORT_NAME, PLOT_NAME = REPORT_FILES[0], REPORT_FILES[2]
+REPORT_NAME, CURVE_NAME, PLOT_NAME = REPORT_FILES
 
 
 def adapt_base(

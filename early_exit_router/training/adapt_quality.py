@@ -91,8 +91,9 @@ def against_original(
     """An adapted router's model against its original base (loaded once more, from the name adapt-base recorded) on
     each source's token sequences, the exits read through the router's trimmed draft head: (tables, figures)."""
     from early_exit_router.models.loading import load_base_model
+    from early_exit_router.training.hidden_states import cut_chunks
 
-    base = router.adapted_from[1].get("base") or router.name_or_path  # a LoRA's router is named after its base
+    base = router.adapted_from[1]["base"]
     try:
         original = load_base_model(base, router.stack.dtype, router.stack.device)[0]
     except (OSError, ValueError) as exc:
@@ -100,12 +101,10 @@ def against_original(
     draft = router.heads.draft_head(router.stack, router.config.draft_vocab_size)
     out, figures = [], {}
     for name, sequences in sources.items():
-        stream = torch.tensor([t for seq in sequences for t in seq], dtype=torch.long)
-        n = len(stream) // chunk_len
-        if n < 1:
+        chunks = cut_chunks(sequences, chunk_len)
+        if not len(chunks):
             out += [f"{name}: under {chunk_len} tokens, not compared with the original", ""]
             continue
-        chunks = stream[: n * chunk_len].view(n, chunk_len)
         before = measure(original, router.exit_layers, chunks, draft)
         with router.disabled() as adapted:
             after = measure(adapted, router.exit_layers, chunks, draft)

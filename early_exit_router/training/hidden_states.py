@@ -114,6 +114,13 @@ def chunk_positions(chunks: torch.Tensor, chunk_len: int) -> torch.Tensor:
     return (chunks.unsqueeze(1) * chunk_len + torch.arange(chunk_len)).flatten()
 
 
+def cut_chunks(sequences: list[list[int]], chunk_len: int) -> torch.Tensor:
+    """(n, chunk_len): the sequences concatenated and cut into chunks, a shorter tail dropped (n may be 0)."""
+    stream = torch.tensor([t for seq in sequences for t in seq], dtype=torch.long)
+    n = len(stream) // chunk_len
+    return stream[: n * chunk_len].view(n, chunk_len)
+
+
 @torch.no_grad()
 def build_cache(
     stack: Any,
@@ -124,11 +131,11 @@ def build_cache(
     progress: bool = True,
 ) -> HiddenStateCache:
     """Run the frozen model over `sequences` (concatenated, cut into chunks) and keep the states training needs."""
-    stream = torch.tensor([t for seq in sequences for t in seq], dtype=torch.long)
-    if len(stream) < chunk_len:
-        raise ValueError(f"The text is {len(stream)} tokens, less than one {chunk_len}-token chunk: give more text.")
-    n_chunks = len(stream) // chunk_len
-    chunks = stream[: n_chunks * chunk_len].view(n_chunks, chunk_len)  # (chunks, chunk_len)
+    chunks = cut_chunks(sequences, chunk_len)  # (chunks, chunk_len)
+    n_chunks = len(chunks)
+    if not n_chunks:
+        tokens = sum(map(len, sequences))
+        raise ValueError(f"The text is {tokens} tokens, less than one {chunk_len}-token chunk: give more text.")
     exits: dict[int, list[torch.Tensor]] = {e: [] for e in exit_layers}
     finals, nexts = [], []
     bounds = [0] + [e + 1 for e in exit_layers] + [stack.num_layers]

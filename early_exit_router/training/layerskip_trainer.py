@@ -16,7 +16,6 @@ and the reports.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import time
@@ -30,26 +29,27 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from early_exit_router.heads.checkpoint import head_hash
 from early_exit_router.heads.draft import DraftHead
 from early_exit_router.models._compat import quiet_peft
 from early_exit_router.models.discovery import stack_for
 from early_exit_router.models.kernels import native_bfloat16
 from early_exit_router.training.adapt_quality import compare, measure, ranking_on
 from early_exit_router.training.config import AdaptConfig
+from early_exit_router.training.hidden_states import cut_chunks
 from early_exit_router.training.layerskip import LayerTaps, curriculum_exits, dropout_rates, loss_scales
 
 STATE_DIR = ".adapt-state"  # hidden: a router folder lets hidden entries be
-CURVE_NAME = "adapt_curve.jsonl"
 EVAL_CHUNKS = 16  # held-out chunks the curve's periodic evaluation reads
 
 
 def token_chunks(sequences: list[list[int]], seq_len: int) -> torch.Tensor:
     """The sequences concatenated and cut into (n, seq_len) chunks (the tail shorter than a chunk dropped)."""
-    stream = torch.tensor([t for seq in sequences for t in seq], dtype=torch.long)
-    n = len(stream) // seq_len
-    if n < 2:
-        raise ValueError(f"The text is {len(stream)} tokens: adapt-base needs at least two {seq_len}-token chunks.")
-    return stream[: n * seq_len].view(n, seq_len)
+    chunks = cut_chunks(sequences, seq_len)
+    if len(chunks) < 2:
+        tokens = sum(map(len, sequences))
+        raise ValueError(f"The text is {tokens} tokens: adapt-base needs at least two {seq_len}-token chunks.")
+    return chunks
 
 
 def lora_targets(stack: Any) -> list[str]:
@@ -64,16 +64,6 @@ def lora_targets(stack: Any) -> list[str]:
             "The decoder layers have no linear projection a LoRA can adapt: use method='full' (--method full)."
         )
     return names
-
-
-def weights_fingerprint(module: nn.Module) -> str:
-    """A hash of a strided sample of every parameter of `module`: tells the base a run started from from another."""
-    digest = hashlib.sha256()
-    for name, p in module.named_parameters():
-        flat = p.detach().flatten()
-        digest.update(name.encode())
-        digest.update(flat[:: max(1, flat.numel() // 64)].float().cpu().numpy().tobytes())
-    return digest.hexdigest()
 
 
 @dataclass
@@ -103,7 +93,7 @@ class LayerSkipTrainer:
         self.base, self._was_training = model, model.training
         self._grad_flags = [p.requires_grad for p in model.parameters()]
         self._tp = getattr(model.config, "pretraining_tp", None)  # PEFT sets it to 1
-        self.base_fingerprint = weights_fingerprint(self.stack.layers)
+        self.base_fingerprint = head_hash(dict(self.stack.layers.named_parameters()))  # tells another base apart
         self.model = self._wrap(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
