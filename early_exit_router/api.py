@@ -41,6 +41,7 @@ from early_exit_router.heads.checkpoint import (
     saved_router,
 )
 from early_exit_router.heads.exit_heads import UNTRAINED_EXIT_MODE, ExitHeads, fresh_heads
+from early_exit_router.heads.own_head import own_head_config
 from early_exit_router.integrations import hf_generate
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
@@ -129,9 +130,10 @@ class EarlyExitRouter:
                     f"does not put into your model. Load it with EarlyExitRouter.from_pretrained({str(heads)!r})."
                 )
             return cls._from_saved(model, tokenizer, saved, config, name, pack_weights, **overrides)
-        config = (config or RouterConfig()).replace(**overrides) if overrides else (config or RouterConfig())
+        config, own_head = own_head_config(model, name, config, overrides)  # a LayerSkip checkpoint: its own exit
         stack = stack_for(model)
         config, fresh = fresh_heads(stack, config)
+        config = config.replace(heads_trained=own_head)
         stack.use_packed_weights(pack_weights)
         return cls(model, tokenizer, config, fresh, stack, name)._patched()
 
