@@ -40,6 +40,7 @@ from early_exit_router.heads.checkpoint import (
     saved_heads,
     saved_router,
 )
+from early_exit_router.heads.draft_path import DraftPath, load_draft_path
 from early_exit_router.heads.exit_heads import UNTRAINED_EXIT_MODE, ExitHeads, fresh_heads
 from early_exit_router.heads.own_head import own_head_config
 from early_exit_router.integrations import hf_generate
@@ -93,6 +94,7 @@ class EarlyExitRouter:
         # inside a step. Re-entrant, so a streamer may itself call `generate`.
         self.lock = hf_generate.RouterLock()
         self.adapted_from: tuple[Path, dict[str, Any]] | None = None  # (folder, entry): the base is adapt-base's
+        self.draft_path: DraftPath | None = None  # adapted copies of the first layers that only drafts run
 
     # -------------------------------------------------------------------------------------------- construction
     @classmethod
@@ -180,6 +182,8 @@ class EarlyExitRouter:
             router = cls._from_saved(model, tokenizer, saved, config, name, pack_weights, **overrides)
         if saved is not None and saved.adapted:
             router.adapted_from = (saved.path, saved.adapted)
+            if saved.adapted["scope"] == "draft":  # the model stays as it is: the copies are the adaptation
+                router.draft_path = load_draft_path(router.stack, saved.path, saved.adapted)
         if warm_up:
             router.warm_up()
         return router
@@ -272,7 +276,11 @@ class EarlyExitRouter:
 
     def describe(self) -> str:
         """One line about the heads: exit layers, adapter and their size (and the prepacked weights, where used)."""
-        return self.heads.describe(self.name_or_path, self.stack, self.config, self.added_parameter_share())
+        line = self.heads.describe(self.name_or_path, self.stack, self.config, self.added_parameter_share())
+        if self.draft_path is None:
+            return line
+        size = self.draft_path.nbytes() / 2**20
+        return f"{line}; draft path: adapted copies of layers 0..{self.draft_path.exit_layer} ({size:.1f} MB)"
 
     # ------------------------------------------------------------------------------------------------ decoding
     def decoder(
@@ -301,7 +309,8 @@ class EarlyExitRouter:
         costs = self.costs(config=cfg) if cfg.policy == "cost" else None
         pad = self.pad_token_id() if pad_token_id is None else pad_token_id
         return Decoder(self.stack, self.heads, ExitRule(cfg, self.stack.vocab_size), cfg, mode, costs=costs,
-                       store=self.ngram_store(cfg), batch_design=design, pad_token_id=pad)  # fmt: skip
+                       store=self.ngram_store(cfg), batch_design=design, pad_token_id=pad,
+                       draft_path=self.draft_path)  # fmt: skip
 
     def batch_config(self, config: RouterConfig | None = None) -> RouterConfig | None:
         """The config a batch runs under (block exits sit out), or None when its rows must run one after another."""

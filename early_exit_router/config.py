@@ -25,6 +25,7 @@ from early_exit_router.config_checks import (
     as_layers,
     check_booleans,
     check_drafting,
+    check_exit_depth,
     check_exit_layers,
     check_integers,
     check_monitoring,
@@ -288,6 +289,13 @@ class DraftingOptions:
             "nodes), where the cost policy finds that they pay. 0: exits draft chains."
         },
     )
+    draft_path_threshold: float = field(
+        default=0.3,
+        metadata={
+            "help": "Verify mode, one sequence, a router with a base-exact draft path (adapt-base --scope draft), "
+            "consulted while its exit is: a chain ends before the first token drafted below this probability."
+        },
+    )
     ngram_unverified: bool = field(
         default=False,
         metadata={
@@ -326,6 +334,7 @@ class DraftingOptions:
 
     def _check_drafting(self) -> None:
         check_drafting(self, {"mode": MODES, "policy": POLICIES, "batch_design": BATCH_DESIGNS})
+        check_unit_interval("draft_path_threshold", self.draft_path_threshold)
 
 
 @dataclass
@@ -419,14 +428,7 @@ class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayou
 
     def check_model_depth(self, num_layers: int) -> None:
         """Raise a clear error when an exit layer does not fit a model with `num_layers` layers."""
-        if self.exit_layers is None:
-            return
-        bad = [e for e in self.exit_layers if not 0 <= e < num_layers - 1]
-        if bad:
-            raise ValueError(
-                f"Exit layers {bad} are out of range for a model with {num_layers} layers: use 0-based indices "
-                f"from 0 to {num_layers - 2} (layer {num_layers - 1} is the full depth)."
-            )
+        check_exit_depth(self.exit_layers or [], num_layers)
 
     def adapter_for(self, layer: int) -> str:
         """The adapter kind of exit `layer`: its `exit_adapters` entry, else `adapter`."""

@@ -115,3 +115,13 @@ def split_config(config: Any, overrides: dict[str, Any], config_type: type) -> t
     if isinstance(config, Mapping):
         return None, {**config, **overrides}
     raise TypeError(f"config must be a RouterConfig or a mapping of its fields, got {type(config).__name__}.")
+
+
+def check_exit_depth(exit_layers: list[int], num_layers: int) -> None:
+    """Raise a clear error when an exit layer does not fit a model with `num_layers` layers."""
+    bad = [e for e in exit_layers if not 0 <= e < num_layers - 1]
+    if bad:
+        raise ValueError(
+            f"Exit layers {bad} are out of range for a model with {num_layers} layers: use 0-based indices "
+            f"from 0 to {num_layers - 2} (layer {num_layers - 1} is the full depth)."
+        )

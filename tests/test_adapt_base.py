@@ -323,3 +323,64 @@ def test_cli_adapts_stops_and_continues(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "the adapted base against its original" in printed and "| exit L1:" in printed
     assert main(args) == 2  # finished: refused without --restart
+
+
+def test_cli_trains_a_draft_path_from_the_models_trained_head(tmp_path, capsys):
+    from early_exit_router.cli import main
+
+    base = _base(tmp_path)
+    router = EarlyExitRouter.from_pretrained(base, warm_up=False, exit_layers=[1, 3], adapter="postnorm")
+    router.config = router.config.replace(heads_trained=True)
+    with torch.no_grad():
+        router.heads.adapter(1).proj.weight.normal_(std=0.05)
+    router.save_pretrained(tmp_path / "heads")
+    out = tmp_path / "out"
+    args = ["adapt-base", "--model", str(tmp_path / "heads"), "--out", str(out), "--exit-layers", "1", "--scope"]
+    args += ["draft", "--max-steps", "2", "--seq-len", "16", "--batch-size", "2", "--self-gen-tokens", "24"]
+    assert main([*args, "--no-docs", "--quiet", "--save-every", "2"]) == 0
+    loaded = EarlyExitRouter.from_pretrained(out, warm_up=False)
+    assert loaded.draft_path is not None and loaded.config.adapter == "postnorm" and loaded.exit_layers == [1]
+    capsys.readouterr()
+    assert main(["eval-heads", "--model", str(out), "--answer-tokens", "40", "--max-tokens", "600"]) == 0
+    assert "exit L1's drafts against the model's top-1" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ the base-exact draft path
+def test_a_draft_path_run_trains_layers_up_to_its_exit_with_its_head_and_leaves_the_model_exact(tmp_path):
+    """--scope draft: the LoRA on layers 0..E alone, trained with a copy of the given head, resumable (the head's
+    weights are in the state); the folder loads as the untouched base with the adapted copies drafting beside it."""
+    from early_exit_router.heads.adapters import PostNormAdapter
+
+    base = _base(tmp_path)
+    model, tokenizer, name = load_base_model(str(base))
+    before = model_fingerprint(model)
+    head = PostNormAdapter(32)
+    cfg = _cfg(exit_layers=[1], scope="draft", max_steps=6, save_every=2)
+    out = tmp_path / "out"
+    first = adapt_base(model, tokenizer, name, _chunks(), cfg, out, progress=False, head=head, head_kind="postnorm",
+                       run_steps=3)  # fmt: skip
+    assert not first.finished and (out / ".adapt-state" / "state.pt").is_file()
+    result = adapt_base(model, tokenizer, name, None, cfg, out, progress=False, head=head, head_kind="postnorm")
+    assert result.finished and result.steps_done == 6
+    assert_same_model(before, model_fingerprint(model))
+    assert torch.equal(head.proj.weight, torch.zeros(32, 32))  # the caller's head is not trained in place
+    held = result.report["heldout"]
+    assert held["last_agreement"] == 1.0 and set(held["exit_agreement"]) == {"1"}
+    lora = json.loads((out / "adapter_config.json").read_text())
+    assert lora["layers_to_transform"] == [0, 1]
+
+    router = EarlyExitRouter.from_pretrained(out, warm_up=False)
+    assert router.draft_path is not None and router.exit_layers == [1] and router.config.adapter == "postnorm"
+    assert router.heads.adapter(1).proj.weight.abs().sum() > 0  # the head trained with the layers
+    original = load_base_model(str(base))[0]
+    mine = dict(router.model.named_parameters())
+    assert all(torch.equal(p, mine[n]) for n, p in original.named_parameters())  # the model is the base, exactly
+    ids = torch.tensor([[0, 5, 9, 17, 33]])
+    with torch.no_grad():
+        expected = original.generate(ids, max_new_tokens=24, do_sample=False)
+    out_ids = router.generate(ids, max_new_tokens=24, mode="verify", config={"draft_path_threshold": 0.0})
+    assert torch.equal(out_ids.sequences, expected) and out_ids.stats.drafts_judged_by_layer.get(1, 0) > 0
+    with pytest.raises(ValueError, match="drop merge"):
+        adapt_base(model, tokenizer, name, _chunks(), cfg, tmp_path / "merged", merge=True, progress=False)
+    with pytest.raises(ValueError, match="one exit layer"):
+        _cfg(exit_layers=[1, 3], scope="draft")

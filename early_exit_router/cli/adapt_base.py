@@ -41,6 +41,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--dropout-shape", default="exp", help="exp | linear (default: %(default)s).")
     p.add_argument("--ce-weight", type=float, default=0.0, help="Weight of next-token cross-entropy (default: 0).")
     p.add_argument("--method", default="lora", help="lora (PEFT) | full (default: %(default)s).")
+    p.add_argument(
+        "--scope",
+        default="model",
+        help="model: adapt the model itself (default) | draft: a LoRA on layers 0..E alone, trained with exit E's "
+        "head (the --model's trained head where it has one), that only drafts run: the model stays bit-identical.",
+    )
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default: %(default)s).")
     p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (default: %(default)s).")
     p.add_argument(
@@ -83,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         dropout_shape=args.dropout_shape,
         ce_weight=args.ce_weight,
         method=args.method,
+        scope=args.scope,
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
         bf16=args.bf16,
@@ -90,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         save_every=args.save_every,
     )
     AdaptConfig(exit_layers=args.exit_layers or [1], **settings)  # a bad setting is reported before the model loads
-    router = EarlyExitRouter.from_pretrained(args.model, fresh_heads=True, warm_up=False, pack_weights=False)
+    draft = args.scope == "draft"  # a draft path starts from the model's trained head at its exit, where it has one
+    router = EarlyExitRouter.from_pretrained(args.model, fresh_heads=not draft, warm_up=False, pack_weights=False)
     if router.adapted_from is not None:
         raise ValueError(
             f"--model {args.model} is already an adapted base, and a LoRA on it would be saved against the original: "
@@ -103,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
     if args.restart or not state.is_file():  # a run to continue trains on its own saved text
         chunks = token_chunks(corpus_from_args(router, args)[0], cfg.seq_len)
     tokenizer, name = router.tokenizer, router.name_or_path
+    at = cfg.exit_layers[0]
+    trained = draft and router.config.heads_trained and at in router.exit_layers
+    head, kind = (router.heads.adapter(at), router.config.adapter_for(at)) if trained else (None, "identity")
     model = router.unpatch()
     result = adapt_base(
         model,
@@ -116,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         run_seconds=args.run_seconds,
         progress=not args.quiet,
         command="early-exit-router " + shlex.join(getattr(args, "argv", None) or sys.argv[1:]),
+        head=head,
+        head_kind=kind,
     )
     print(quality_table(result.report))
     if not result.finished:

@@ -55,13 +55,15 @@ def run(args: argparse.Namespace) -> int:
         tables[name] = {"positions": len(cache), "rows": as_dicts(rows)}
         print(format_table(f"{name}: {len(cache)} positions", rows) + "\n")
     against: dict = {}
-    if router.adapted_from is not None:  # an adapt-base folder: its model against the original, too
-        from early_exit_router.training.adapt_quality import against_original
+    key = "draft_path" if router.draft_path is not None else "against_original"
+    if router.adapted_from is not None:  # an adapt-base folder: its model against the original, or its draft path
+        from early_exit_router.training.adapt_quality import against_original, draft_path_agreement
 
-        text, against = against_original(router, sources)
+        compare = draft_path_agreement if router.draft_path is not None else against_original
+        text, against = compare(router, sources)
         print(text)
     if args.json:
         report = {"model": router.describe(), "config": router.config.to_dict(), "tables": tables}
         with open(args.json, "w") as f:
-            json.dump(report | ({"against_original": against} if against else {}), f, indent=2)
+            json.dump(report | ({key: against} if against else {}), f, indent=2)
     return 0

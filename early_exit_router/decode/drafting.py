@@ -285,10 +285,14 @@ def judge_refusals(dec: DecodeState) -> None:
     dec.refusals.clear()
 
 
-def append_ngram(dec: DecodeState, proposals: list[Proposal | None]) -> int:
+def append_ngram(
+    dec: DecodeState, proposals: list[Proposal | None], tier: int | None = None, key: TierKey | None = None,
+    layer: int = NGRAM_LAYER,
+) -> int:  # fmt: skip
     """Append each row's n-gram proposal as drafts, column by column (a row with a shorter one gets holes after it);
     their embeddings wait in front of segment 0. A row stops drafting at a token that ends its generation. Returns
-    how many slots were appended."""
+    how many slots were appended. Another tier whose drafts the model verifies from its embeddings (the adapted
+    draft path's) passes its `tier`, acceptance `key` and histogram `layer`."""
     q = dec.slots.length - 1
     # Unverified copies would pass the rows' logits processors by (min_new_tokens, suppressed or banned tokens):
     # with any of those they are verified, so that the processors judge them.
@@ -296,7 +300,8 @@ def append_ngram(dec: DecodeState, proposals: list[Proposal | None]) -> int:
     verified = dec.mode == "verify" or not unverified
     if verified and dec.cycle is None:  # exit mode: the tokens waiting now stay final; verify what follows
         dec.cycle = VerifyCycle(q)
-    tier, vocab, device = len(dec.exits), dec.stack.vocab_size, dec.slots.seq.device
+    tier = len(dec.exits) if tier is None else tier
+    vocab, device = dec.stack.vocab_size, dec.slots.seq.device
     drafting = [p is not None and bool(p.tokens) for p in proposals]
     width = 0
     while True:
@@ -305,16 +310,45 @@ def append_ngram(dec: DecodeState, proposals: list[Proposal | None]) -> int:
             break
         for row, token, proposal in zip(dec.rows, column, proposals):
             if token is not None:
-                row.drafts[q + width] = Draft(tier, ("ngram", proposal.match_class))
+                row.drafts[q + width] = Draft(tier, key or ("ngram", proposal.match_class))
                 row.drafted += 1
         ids = [dec.pad_token_id if t is None else t for t in column]
         logits = None
         if any(row.request.output_logits for row in dec.rows):  # the tier's "logits": all mass on the copy
             logits = torch.full((len(ids), vocab), float("-inf"), device=device)
             logits[torch.arange(len(ids)), torch.tensor(ids)] = 0.0
-        append(dec, torch.tensor(ids, device=device), column, NGRAM_LAYER, logits)
+        append(dec, torch.tensor(ids, device=device), column, layer, logits)
         width += 1
         # Every stop rule sees every token, as in plain decoding: a draft ends at the first token that stops.
         drafting = [on and t is not None and row.stop_at is None for on, t, row in zip(drafting, column, dec.rows)]
     dec.fill.queue(embed(dec, q, width))  # (b, width, hidden): slots q..q+width-1
     return width
+
+
+def draft_budget(dec: DecodeState, row: Row) -> int:
+    """How many more tokens `row` may draft: the window rule's room and the tokens it has still to make."""
+    return min(dec.config.max_pending - dec.pending, row.request.max_new_tokens - len(row.new_tokens))
+
+
+def draft_ngram(dec: DecodeState) -> bool:
+    """The n-gram tier in a cascade step (one sequence): what followed the last tokens before, as drafts. Exit mode
+    verifies them too (`append_ngram`), also past waiting exited tokens (final, only checked)."""
+    row = dec.rows[0]
+    proposal, _ = propose_ngram(dec, row, min(dec.config.ngram_draft, draft_budget(dec, row)))
+    if not proposal.tokens:
+        return False
+    append_ngram(dec, [proposal])
+    return True
+
+
+def draft_chain(dec: DecodeState) -> bool:
+    """The adapted draft path's chain in a cascade step (one sequence), drafted like the n-gram tier's copies: the
+    model verifies it from its embeddings in the next step's pass (`chained`)."""
+    row = dec.rows[0]
+    chain = dec.adapted.propose(row.tokens, draft_budget(dec, row), dec.config.draft_path_threshold)
+    if not chain:
+        return False
+    at = dec.draft_path.exit_layer
+    append_ngram(dec, [Proposal(chain, 0)], tier=len(dec.exits) + 1, key=("adapted", at), layer=at)
+    dec.chained = True
+    return True

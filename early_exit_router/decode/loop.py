@@ -30,15 +30,18 @@ import torch
 
 from early_exit_router.config import MODES, RouterConfig
 from early_exit_router.decode import batch as batching
+from early_exit_router.decode.adapted_draft import AdaptedDrafter
 from early_exit_router.decode.batch import Slots
 from early_exit_router.decode.deep import deep_pass, flush, head
 from early_exit_router.decode.drafters import ExitDrafter, SuffixDrafter
 from early_exit_router.decode.drafting import (
     append_ngram,
     ask_in_chain,
+    draft_budget,
+    draft_chain,
+    draft_ngram,
     judge_refusals,
     probe_exits,
-    propose_ngram,
     propose_rows,
     try_exit,
     worth_asking,
@@ -60,6 +63,7 @@ from early_exit_router.decode.stopping import DecodeRequest, StreamFrontier
 from early_exit_router.decode.tree import exit_tree_supported, tree_supported, verify_exit_tree, verify_tree
 from early_exit_router.heads.adapters import needs_context
 from early_exit_router.heads.block import BlockContext
+from early_exit_router.heads.draft_path import DraftPath
 from early_exit_router.heads.exit_heads import ExitHeads
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
@@ -93,6 +97,7 @@ class Decoder(DecodeState):
         store: SuffixStore | None = None,
         batch_design: str = "synchronous",
         pad_token_id: int = 0,
+        draft_path: DraftPath | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}: use one of {', '.join(MODES)}.")
@@ -112,6 +117,8 @@ class Decoder(DecodeState):
         self.policy = DraftPolicy.for_config(costs, config, heads) if policy else None
         self.suffix = SuffixDrafter(config, store if config.ngram_tier else None)
         self.exit_drafter = ExitDrafter(stack, heads, config, self.exits)
+        self.draft_path = draft_path  # verify mode drafts from it alone (one sequence): `drafting.draft_chain`
+        self.adapted = AdaptedDrafter.for_decoder(self, draft_path)
         exit_prior = config.exit_acceptance_prior  # an exit's drafts, their alternatives, its gate, its top-1
         kinds = ("exit", "exit branch", "fire", "agree")
         prior = {} if exit_prior is None else dict.fromkeys(kinds, exit_prior)
@@ -131,6 +138,9 @@ class Decoder(DecodeState):
         self.plan: Plan | None = None
         self.cycle_drafts, self.survival = 0, 1.0
         self.refusals = []
+        self.chained = False  # an adapted chain waits for its verifying pass
+        if self.adapted is not None:
+            self.adapted.reset()
 
     # ------------------------------------------------------------------------------------------ rows in and out
     @property
@@ -174,7 +184,7 @@ class Decoder(DecodeState):
         self.fill = LayerwiseFill(self.stack, self.heads, self.exits, cache, blocks, self.costs)
         capacity = n + min(max(r.max_new_tokens for r in requests), SLOTS_AHEAD) + cfg.max_pending + cfg.ngram_draft + 2
         self.slots = Slots.for_prompts(ids, mask, self.pad_token_id, capacity)
-        tiers = len(self.exits) + 1
+        tiers = len(self.exits) + 1 + (self.adapted is not None)  # exits, the n-gram tier, the draft path
         noises = noise_sources(selectors, ids.device)
         for k, (request, selector) in enumerate(zip(requests, selectors)):
             prompt = ids[k][mask[k].bool()].tolist()
@@ -206,7 +216,8 @@ class Decoder(DecodeState):
     def _new_like(self) -> Decoder:
         design = "per_row" if self.per_row else "synchronous"
         return Decoder(self.stack, self.heads, self.rule, self.config, self.mode, costs=self.costs,
-                       store=self.suffix.store, batch_design=design, pad_token_id=self.pad_token_id)  # fmt: skip
+                       store=self.suffix.store, batch_design=design, pad_token_id=self.pad_token_id,
+                       draft_path=self.draft_path)  # fmt: skip
 
     @torch.inference_mode()
     def remove(self, rows: list[Row]) -> None:
@@ -242,9 +253,11 @@ class Decoder(DecodeState):
         deep_pass(self, at.hidden, at.chunk_start, has_current=True)
 
     def _plans_cycles(self) -> bool:
-        """Verify mode plans whole draft cycles under the cost policy, and always in per-row batches."""
+        """Verify mode plans whole draft cycles under the cost policy, and always in per-row batches; one sequence
+        with an adapted draft path drafts in the cascade (its chains are not in the policy's plans yet)."""
         many = len(self.rows) > 1
-        return self.mode == "verify" and ((self.per_row and many) or (self.policy is not None and not many))
+        alone = self.policy is not None and self.adapted is None
+        return self.mode == "verify" and ((self.per_row and many) or (alone and not many))
 
     def _exits_draft(self) -> bool:
         """Exits are batch-synchronous: per-row batches draft from the n-gram tier alone."""
@@ -254,15 +267,17 @@ class Decoder(DecodeState):
         """Ask the n-gram tier, then each exit in turn; the token leaves at the first that fires, else goes deep."""
         q = self.slots.length - 1
         forced = self.rule.forced_deep(self.routing, self.pending)
-        if not forced and self.config.ngram_tier and len(self.rows) == 1 and self._draft_ngram():
+        chained, self.chained = self.chained, False  # an adapted chain waits: this step's token verifies it
+        drafts = not forced and not chained and len(self.rows) == 1
+        if drafts and ((self.config.ngram_tier and draft_ngram(self)) or (self.adapted and draft_chain(self))):
             return
         if forced:
             self.passes.forced += 1
             self.rule.end_block(self.routing)
         target = None if forced else self.rule.block_target(self.routing)
         asked = set(range(len(self.exits))) if target is None else {target}
-        if forced or target == FULL_DEPTH or self.routing.exits_suspended:
-            asked = set()
+        if forced or chained or target == FULL_DEPTH or self.routing.exits_suspended or self.adapted is not None:
+            asked = set()  # with a draft path, the shared exits do not draft
         for at in self.fill.walk(embed(self, q), q, q + 1, self.slots, asked):
             if at.exit < len(self.exits) and worth_asking(self, at.exit, target):
                 exited = try_exit(self, at.exit, at.hidden, q, target)
@@ -319,7 +334,7 @@ class Decoder(DecodeState):
 
     def _choose_plan(self) -> Plan:
         """This cycle's plan, from each row's n-gram proposal and the policy (without one: every proposal in full)."""
-        budgets = [self._draft_budget(row) for row in self.rows]
+        budgets = [draft_budget(self, row) for row in self.rows]
         trees = self.policy is not None and tree_supported(self)
         proposals, tree = propose_rows(self, budgets, trees)
         if self.policy is not None:
@@ -333,22 +348,6 @@ class Decoder(DecodeState):
             keep = plan.kind in ("plain", "ngram") and proposal is not None and bool(proposal.tokens)
             row.proposal, row.drafted = proposal if keep else None, 0
         return plan
-
-    def _draft_budget(self, row: Row) -> int:
-        """How many more tokens `row` may draft: the window rule's room and the tokens it has still to make."""
-        return min(self.config.max_pending - self.pending, row.request.max_new_tokens - len(row.new_tokens))
-
-    # ------------------------------------------------------------------------------------------------ drafting
-    def _draft_ngram(self) -> bool:
-        """The n-gram tier in a cascade step (one sequence): what followed the last tokens before, as drafts. Exit
-        mode verifies them too (`append_ngram`), also past waiting exited tokens (final, only checked)."""
-        row = self.rows[0]
-        budget = min(self.config.ngram_draft, self._draft_budget(row))
-        proposal, _ = propose_ngram(self, row, budget)
-        if not proposal.tokens:
-            return False
-        append_ngram(self, [proposal])
-        return True
 
     # ------------------------------------------------------------------------------------------------ results
     def stats(self, row: Row) -> GenerationStats:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from early_exit_router.config import RouterConfig
+from early_exit_router.decode.adapted_draft import AdaptedDrafter
 from early_exit_router.decode.batch import Slots
 from early_exit_router.decode.drafters import ExitDrafter, SuffixDrafter
 from early_exit_router.decode.noise import SamplingNoise
@@ -27,6 +28,7 @@ from early_exit_router.decode.sampling import TokenSelector
 from early_exit_router.decode.segments import LayerwiseFill
 from early_exit_router.decode.stats import AgreementMonitor, PassCounters, RowCounters
 from early_exit_router.decode.stopping import DecodeRequest, StreamFrontier
+from early_exit_router.heads.draft_path import DraftPath
 from early_exit_router.heads.exit_heads import ExitHeads
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.routing.costs import CostModel
@@ -132,6 +134,9 @@ class DecodeState:
     fallback: str | None  # why this decode runs plainly (a cost table that looks wrong), else None
     suffix: SuffixDrafter
     exit_drafter: ExitDrafter
+    adapted: AdaptedDrafter | None  # verify mode's adapted draft path (`adapted_draft.py`), when the router has one
+    draft_path: DraftPath | None
+    chained: bool  # a draft path's chain waits for the pass that verifies it
     tracker: AcceptanceTracker  # acceptance estimates per tier
     routing: RoutingState  # the exit rule's memory: blocks, recent confidences, the controller's shift
     monitor: AgreementMonitor

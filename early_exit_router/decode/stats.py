@@ -418,16 +418,18 @@ def decode_stats(dec: Any, row: Any) -> GenerationStats:
     end = row.ended if row.ended is not None else time.perf_counter()
     record = RowRecord(row.depth[:new], row.counters, end - row.started, row.prefill_s)
     names = {"ngram": "ngram match {}", "branch": "tree branch match {}", "exit": "exit L{}", "ask": "exit rate L{}",
-             "exit branch": "exit branch L{}", "fire": "exit fires L{}", "agree": "exit agreement L{}"}  # fmt: skip
+             "exit branch": "exit branch L{}", "fire": "exit fires L{}", "agree": "exit agreement L{}",
+             "adapted": "draft path L{}"}  # fmt: skip
     estimates = {
-        names[kind].format(index if kind in ("ngram", "branch") else dec.exits[index]): round(a, 4)
+        names[kind].format(index if kind in ("ngram", "branch", "adapted") else dec.exits[index]): round(a, 4)
         for (kind, index), a in sorted(dec.tracker.estimates.items())
     }
     passes = (row.passes_to or dec.passes).since(row.passes_from)  # the batch's passes while the row was in it
     interval = dec.config.probe_interval
     skipped = {dec.exits[i]: n - (n // interval if interval > 0 else 0) for i, n in sorted(passes.unpaid_asks.items())}
     stats = row_stats(record, passes, dec.monitor, mode=dec.mode, num_layers=dec.stack.num_layers,
-                      tier_layers=dec.exits + [-1], threshold_shift=dec.routing.threshold_shift,  # -1: the n-gram tier
+                      tier_layers=dec.exits + [-1] + ([dec.draft_path.exit_layer] if dec.adapted else []),  # -1: n-gram
+                      threshold_shift=dec.routing.threshold_shift,
                       policy_estimates=estimates, asks_skipped=skipped, fallback=dec.fallback)  # fmt: skip
     stats.exits_suspended = dec.routing.exits_suspended
     fraction = dec.config.check_fraction if dec.config.check_agreement else 0.0

@@ -19,6 +19,9 @@ from early_exit_router.models._compat import quiet_peft
 
 ADAPTED_KEY = "adapted_base"
 FORMATS = ("lora", "merged")
+# "model": the adaptation is the model's (merged into it on load); "draft": it is a draft path's alone, on copies of
+# layers 0..exit_layer (`draft_path.py`), and the model stays bit-identical
+SCOPES = ("model", "draft")
 LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
 REPORT_FILES = ("adapt_report.json", "adapt_curve.jsonl", "adapt_curve.png")
 # An HF model folder's own files (a merged adapted model), by name or suffix.
@@ -42,11 +45,17 @@ def is_hf_file(name: str) -> bool:
 
 
 def check_adapted(entry: Any, where: Path) -> dict[str, Any] | None:
-    """The config's `adapted_base` entry, checked (None: a router on an unchanged base)."""
+    """The config's `adapted_base` entry, checked (None: a router on an unchanged base); its scope filled in ("model"
+    where an older folder does not say)."""
     if entry is None:
         return None
     if not isinstance(entry, dict) or entry.get("format") not in FORMATS:
         raise ValueError(f"{where}: adapted_base must say its format ({' or '.join(FORMATS)}); re-run adapt-base.")
+    entry = {"scope": "model", **entry}
+    if entry["scope"] not in SCOPES or (entry["scope"] == "draft" and not isinstance(entry.get("exit_layer"), int)):
+        raise ValueError(f"{where}: adapted_base's scope must be one of {SCOPES} (a draft path with its exit_layer).")
+    if entry["scope"] == "draft" and entry["format"] != "lora":
+        raise ValueError(f"{where}: a draft path is a LoRA (format 'lora'): re-run adapt-base --scope draft.")
     missing = [f for f in (LORA_FILES if entry["format"] == "lora" else ("config.json",)) if not (where / f).is_file()]
     if missing:
         raise FileNotFoundError(
@@ -68,7 +77,7 @@ def adapted_files(folder: Path, entry: dict[str, Any] | None) -> list[str]:
 def apply_adaptation(model: nn.Module, folder: Path, entry: dict[str, Any]) -> nn.Module:
     """`model` (the recorded base, just loaded) as the adapted model: a LoRA merged into its weights; a merged
     folder's model is already adapted."""
-    if entry["format"] == "merged":
+    if entry["format"] == "merged" or entry["scope"] == "draft":  # a draft path loads beside the model
         return model
     try:
         from peft import PeftModel

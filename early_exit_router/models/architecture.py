@@ -265,6 +265,7 @@ class LayerStack:
         cache: Any,
         positions: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        layers: Sequence[nn.Module] | None = None,
     ) -> torch.Tensor:
         if start >= stop:
             return hidden
@@ -272,7 +273,8 @@ class LayerStack:
         rotary: dict[str, Any] = {}
         rows = hidden.shape[0] * hidden.shape[1]
         linears = (m for j in range(start, stop) for m in self._layer_linears[j])
-        with self._attention(hidden.shape[1]), self._products(linears, rows):
+        own = layers is None
+        with self._attention(hidden.shape[1]), self._products(linears, rows) if own else nullcontext():
             for layer_idx in range(start, stop):
                 kind = self.mask_kinds[layer_idx]
                 if kind not in masks:
@@ -281,7 +283,9 @@ class LayerStack:
                         kind, self.config, hidden, cache, positions, layer_idx, attention_mask
                     )
                     rotary[kind] = self._position_embeddings(hidden, positions, kind)
-                hidden = self._call_layer(self.layers[layer_idx], hidden, masks[kind], positions, rotary[kind], cache)
+                layer = self.layers[layer_idx] if own else layers[layer_idx]
+                with nullcontext() if own else self._module_products(layer, rows):
+                    hidden = self._call_layer(layer, hidden, masks[kind], positions, rotary[kind], cache)
         return hidden
 
     def _products(self, linears: Iterable[nn.Module], rows: int) -> AbstractContextManager[None]:
@@ -411,6 +415,15 @@ class LayerStack:
     def weight_formats(self) -> set[str]:
         """The storage types of the model's weights: "dense", or a quantized tensor type's name."""
         return {type(p).__name__ if is_quantized(p) else "dense" for p in self.model.parameters()}
+
+
+def run_in_place_of(
+    stack: LayerStack, layers: Sequence[nn.Module], hidden: torch.Tensor, cache: Any, positions: torch.Tensor
+) -> torch.Tensor:
+    """Run `layers` in place of `stack`'s first len(layers) layers (an adapted draft path's copies of them, or the
+    model's own while a LoRA in them trains) over a chunk, against `cache`: the model's masks and positions, each
+    layer's products its own (packed apart while nothing trains)."""
+    return stack._run(hidden, 0, len(layers), cache, positions, None, layers)
 
 
 def _inputs_passed_as_none(model: nn.Module, layer: nn.Module, cache_kwarg: str) -> dict[str, None]:

@@ -21,9 +21,11 @@ from torch import nn
 from early_exit_router._version import __version__
 from early_exit_router.config import RouterConfig
 from early_exit_router.heads.adapted_base import ADAPTED_KEY, REPORT_FILES, adapted_files
+from early_exit_router.heads.adapters import needs_context
 from early_exit_router.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, save_router
 from early_exit_router.heads.exit_heads import build_heads
 from early_exit_router.training.config import AdaptConfig
+from early_exit_router.training.draft_path_trainer import DraftPathTrainer
 from early_exit_router.training.layerskip_trainer import (
     EVAL_CHUNKS,
     STATE_DIR,
@@ -48,6 +50,8 @@ def adapt_base(
     run_seconds: float | None = None,
     progress: bool = True,
     command: str = "",
+    head: nn.Module | None = None,
+    head_kind: str = "identity",
 ) -> AdaptResult:
     """Adapt `model` (the base recorded as `name`; trained in place) on `chunks` ((n, seq_len) token ids; None
     continues a saved run from its own chunks) and write the router folder `out` when `cfg.max_steps` are done.
@@ -56,8 +60,17 @@ def adapt_base(
     same call continues it (`restart` starts over; a finished run's folder is refused without it, and any other
     folder with files in it always). `merge` writes the adapted model itself (an HF folder) instead
     of the LoRA; `cfg.method == "full"` always does. A LoRA run leaves `model` as it came, unless it merged (then
-    `model` is the adapted model); a full fine-tune trains `model` itself."""
+    `model` is the adapted model); a full fine-tune trains `model` itself.
+
+    `cfg.scope == "draft"`: a base-exact draft path (`DraftPathTrainer`): the LoRA on layers 0..E and a copy of
+    `head` (exit E's adapter, of kind `head_kind`, to start from; None: the model's own norm and head) train, and the
+    folder loads as a router whose model is the base, bit-identical, with the adapted copies of those layers drafting
+    beside it."""
     out = Path(out)
+    if cfg.scope == "draft" and merge:
+        raise ValueError("A draft path stays a LoRA on copies of its layers (the model is never changed): drop merge.")
+    if head is not None and needs_context(head):
+        raise ValueError("A draft path's head drafts from one position: start it from a head without a block adapter.")
     state_dir = out / STATE_DIR
     check_adapt_out(out, restart)  # before anything is written there
     if restart:
@@ -71,7 +84,10 @@ def adapt_base(
         raise ValueError(f"The chunks are {chunks.shape[1]} tokens long, seq_len is {cfg.seq_len}: they must match.")
     trainer = None
     try:
-        trainer = LayerSkipTrainer(model, chunks, cfg, state_dir)
+        if cfg.scope == "draft":
+            trainer = DraftPathTrainer(model, chunks, cfg, state_dir, head)
+        else:
+            trainer = LayerSkipTrainer(model, chunks, cfg, state_dir)
         if not saved_chunks.is_file():
             state_dir.mkdir(parents=True, exist_ok=True)
             torch.save(chunks.cpu(), saved_chunks)
@@ -84,7 +100,7 @@ def adapt_base(
         report = _report(trainer, name, command, resumed)
         if finished:
             _write_curve(out, trainer.curve)
-            _write_folder(trainer, tokenizer, name, out, merge or cfg.method == "full", report)
+            _write_folder(trainer, tokenizer, name, out, merge or cfg.method == "full", report, head_kind)
             shutil.rmtree(state_dir)  # done: the folder is the result
         else:  # the partial report and curve stay beside the state, so the folder never mixes two runs
             _write_curve(state_dir, trainer.curve)
@@ -195,9 +211,16 @@ def _plot_curve(path: Path, curve: list[dict[str, Any]]) -> None:
 
 
 def _write_folder(
-    trainer: LayerSkipTrainer, tokenizer: Any, name: str, out: Path, merged: bool, report: dict[str, Any]
+    trainer: LayerSkipTrainer,
+    tokenizer: Any,
+    name: str,
+    out: Path,
+    merged: bool,
+    report: dict[str, Any],
+    head_kind: str = "identity",
 ) -> None:
-    """The router folder: the adapted base, identity heads at the exits with the draft ranking, the report."""
+    """The router folder: the adapted base, the heads with the draft ranking (identity heads at the exits; a draft
+    path's trained head at its exit), the report."""
     cfg, stack = trainer.cfg, trainer.stack
     model = trainer.model
     if merged:
@@ -209,14 +232,20 @@ def _write_folder(
             tokenizer.save_pretrained(str(out))
     else:
         model.save_pretrained(str(out))  # PEFT: adapter_config.json + adapter_model.safetensors (+ a README)
+    head = getattr(trainer, "head", None)  # a draft path's trained head (None: the model's own)
     config = RouterConfig(
         exit_layers=list(cfg.exit_layers),
-        adapter="identity",
+        adapter="identity" if head is None else head_kind,
+        adapter_rank=getattr(getattr(head, "down", None), "out_features", RouterConfig.adapter_rank),
         draft_vocab_size=cfg.draft_vocab_size,
         heads_trained=True,
     )
     heads = build_heads(stack, config, config.exit_layers)
     heads.set_draft_token_ranking(trainer.ranking, stack.vocab_size)
+    if head is not None:
+        heads.adapter(cfg.exit_layers[0]).load_state_dict(head.state_dict())
     entry = {"format": "merged" if merged else "lora", "method": cfg.method, "base": name}
+    if cfg.scope == "draft":
+        entry.update(scope="draft", exit_layer=cfg.exit_layers[0])
     (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     save_router(out, config, heads, stack, name, adapted=entry)

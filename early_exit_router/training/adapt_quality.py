@@ -77,8 +77,9 @@ def quality_rows(held: dict[str, Any]) -> list[str]:
         "| held out | original | adapted |",
         "|---|---|---|",
         f"| last layer: top-1 agreement with the original | 1.000 | {held['last_agreement']:.3f} |",
-        f"| NLL of the text | {held['nll_original']:.3f} | {held['nll_adapted']:.3f} |",
     ]
+    if "nll_adapted" in held:  # a draft path leaves the model, and so the text's NLL, as it was
+        rows.append(f"| NLL of the text | {held['nll_original']:.3f} | {held['nll_adapted']:.3f} |")
     for layer, after in held["exit_agreement"].items():
         before = held["exit_agreement_original"][layer]
         rows.append(f"| exit L{layer}: top-1 agreement with the model's last layer | {before:.3f} | {after:.3f} |")
@@ -111,4 +112,52 @@ def against_original(
         figures[name] = compare(before, after)
         out += [f"{name}: the adapted base against its original ({base}), {figures[name]['positions']} positions"]
         out += [*quality_rows(figures[name]), ""]
+    return "\n".join(out), figures
+
+
+@torch.no_grad()
+def draft_path_agreement(
+    router: Any, sources: dict[str, list[list[int]]], chunk_len: int = 128
+) -> tuple[str, dict[str, Any]]:
+    """A draft-path router's drafts against its model (teacher-forced) on each source's token sequences: the top-1 of
+    the draft path (the adapted copies of layers 0..E and their head, over the trimmed draft vocabulary) and of the
+    model's own layers 0..E through the same head, each against the model's: (tables, figures)."""
+    from early_exit_router.heads.draft import draft_logits, trimmed_top1
+    from early_exit_router.models.architecture import run_in_place_of
+    from early_exit_router.training.hidden_states import cut_chunks
+
+    stack, path = router.stack, router.draft_path
+    at = path.exit_layer
+    head = router.heads.adapter(at) if at in router.exit_layers else None
+    draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
+
+    def top1(hidden: torch.Tensor) -> torch.Tensor:
+        logits = draft_logits(stack, head, draft, hidden, trimmed=True)
+        return logits.argmax(-1) if draft is None else trimmed_top1(logits, draft.token_ids)
+
+    out, figures = [], {}
+    for name, sequences in sources.items():
+        chunks = cut_chunks(sequences, chunk_len).to(stack.device)
+        if not len(chunks):
+            continue
+        hits, total = {"draft path": 0, "own layers": 0}, 0
+        for ids in chunks.split(BATCH):
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
+            with router.disabled() as model:
+                target = model(input_ids=ids, use_cache=False).logits.argmax(-1)
+            embedded = stack.embed(ids)
+            adapted = run_in_place_of(stack, path.layers, embedded, stack.new_cache(), positions)
+            own = stack.run(embedded, 0, at + 1, stack.new_cache(), positions)
+            hits["draft path"] += int((top1(adapted) == target).sum())
+            hits["own layers"] += int((top1(own) == target).sum())
+            total += target.numel()
+        figures[name] = {label: round(n / total, 4) for label, n in hits.items()} | {"positions": total}
+        out += [
+            f"{name}: exit L{at}'s drafts against the model's top-1, {total} positions",
+            "| layers 0..E | agreement |",
+            "|---|---|",
+            f"| the draft path's adapted copies | {figures[name]['draft path']:.3f} |",
+            f"| the model's own, same head | {figures[name]['own layers']:.3f} |",
+            "",
+        ]
     return "\n".join(out), figures

@@ -74,6 +74,9 @@ class AdaptConfig:
     draft_vocab_only: bool = True  # the exits' KL over the router's trimmed draft vocabulary (the last layer's: all)
     draft_vocab_size: int = 4096
     method: str = "lora"  # lora (PEFT) | full (every weight but the embeddings, norm and LM head trains)
+    # model: the adaptation is the model's (every layer, self-distilled, the last layer kept close); draft: a LoRA on
+    # layers 0..E alone, with exit E's head, that only the draft path runs (the model stays bit-identical)
+    scope: str = "model"
     lora_rank: int = 16
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
@@ -92,6 +95,7 @@ class AdaptConfig:
             "curriculum": CURRICULA,
             "dropout_shape": DROPOUT_SHAPES,
             "method": ("lora", "full"),
+            "scope": ("model", "draft"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -113,6 +117,8 @@ class AdaptConfig:
             raise ValueError("draft_vocab_size must be >= 1 where the exits' KL runs over the draft vocabulary.")
         if not 0.0 <= self.layer_dropout < 1.0:
             raise ValueError(f"layer_dropout is {self.layer_dropout}: give a probability in [0, 1).")
+        if self.scope == "draft" and (self.method != "lora" or len(self.exit_layers) != 1):
+            raise ValueError("scope 'draft' trains one exit's draft path as a LoRA: give one exit layer, method lora.")
         if self.lr <= 0:
             raise ValueError(f"lr is {self.lr}: give a positive learning rate.")
 

@@ -137,10 +137,15 @@ class LayerSkipTrainer:
             lora_alpha=self.cfg.lora_alpha,
             lora_dropout=self.cfg.lora_dropout,
             target_modules=lora_targets(self.stack),
+            layers_to_transform=self.lora_layers(),
         )
         with torch.random.fork_rng(devices=[]), quiet_peft():
             torch.manual_seed(self.cfg.seed)
             return get_peft_model(model, lora)
+
+    def lora_layers(self) -> list[int] | None:
+        """The decoder layers the LoRA adapts (None: every one)."""
+        return None
 
     def teacher(self) -> AbstractContextManager[nn.Module]:
         """Inside: the original model (the LoRA off, or the frozen copy)."""
@@ -196,16 +201,19 @@ class LayerSkipTrainer:
             losses[e] = _kl(t_draft, s_logits.float(), ids, cfg.ce_weight, draft.token_ids)
         losses[last] = _kl(t_full, s_last, ids, cfg.ce_weight, None)
         scales = loss_scales(list(losses), stack.num_layers, cfg.loss_scale, cfg.e_scale, cfg.last_weight)
-        loss = sum(s * v for s, v in zip(scales.tolist(), losses.values()))
+        self.optimise(sum(s * v for s, v in zip(scales.tolist(), losses.values())))
+        return {str(layer): float(v.detach()) for layer, v in losses.items()}
+
+    def optimise(self, loss: torch.Tensor) -> None:
+        """One optimiser step on `loss` at this step's learning rate; the model back in eval mode."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(self.step)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.optimizer.step()
         self.model.eval()
-        return {str(layer): float(v.detach()) for layer, v in losses.items()}
 
     def run(
         self, run_steps: int | None = None, run_seconds: float | None = None, progress: bool = True
@@ -265,8 +273,12 @@ class LayerSkipTrainer:
         return compare(self._original_figures, measure(self.model, exits, chunks, draft))
 
     # --------------------------------------------------------------------------------------------- resumption
+    def trainables(self) -> dict[str, nn.Parameter]:
+        """The weights that train, by name (what a saved state holds)."""
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        return {n: p.detach().cpu().clone() for n, p in self.trainables().items()}
 
     def save_state(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -305,7 +317,7 @@ class LayerSkipTrainer:
                 f"{self.state_dir} holds a run that started from other base weights: continue it on the base model "
                 "it started from, loaded afresh (a full fine-tune trains the model it is given), or restart."
             )
-        named = dict(self.model.named_parameters())
+        named = self.trainables()
         with torch.no_grad():
             for name, value in state["weights"].items():
                 named[name].copy_(value)
