@@ -177,7 +177,8 @@ class EarlyExitRouter:
         if saved is not None and saved.adapted:
             model = apply_adaptation(model, saved.path, saved.adapted)
         if saved is None or fresh_heads:
-            router = cls.from_model(model, tokenizer, config, name_or_path=name, pack_weights=pack_weights, **overrides)
+            fresh = (config or RouterConfig()) if fresh_heads else config  # heads to train: not a checkpoint's own
+            router = cls.from_model(model, tokenizer, fresh, name_or_path=name, pack_weights=pack_weights, **overrides)
         else:
             router = cls._from_saved(model, tokenizer, saved, config, name, pack_weights, **overrides)
         if saved is not None and saved.adapted:

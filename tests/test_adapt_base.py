@@ -384,3 +384,16 @@ def test_a_draft_path_run_trains_layers_up_to_its_exit_with_its_head_and_leaves_
         adapt_base(model, tokenizer, name, _chunks(), cfg, tmp_path / "merged", merge=True, progress=False)
     with pytest.raises(ValueError, match="one exit layer"):
         _cfg(exit_layers=[1, 3], scope="draft")
+
+
+def test_a_draft_path_run_resumes_only_with_the_head_it_started_from(tmp_path):
+    from early_exit_router.heads.adapters import PostNormAdapter
+
+    base = _base(tmp_path)
+    model, tokenizer, name = load_base_model(str(base))
+    cfg = _cfg(exit_layers=[1], scope="draft", max_steps=4, save_every=2)
+    out = tmp_path / "out"
+    adapt_base(model, tokenizer, name, _chunks(), cfg, out, progress=False, head=PostNormAdapter(32),
+               head_kind="postnorm", run_steps=2)  # fmt: skip
+    with pytest.raises(ValueError, match="trained other weights"):
+        adapt_base(model, tokenizer, name, None, cfg, out, progress=False)  # no head this time

@@ -39,9 +39,10 @@ def adapted_copy(model, exit_layer: int, strength: float = 0.05, seed: int = 0):
     return peft_model
 
 
-def draft_path_folder(tmp_path, exit_layer: int = 1, strength: float = 0.05, seed: int = 0):
-    """(base folder, router folder, the PEFT model): a router folder with a draft-scope LoRA at `exit_layer`."""
-    base = tiny_llama(0)
+def draft_path_folder(tmp_path, exit_layer: int = 1, strength: float = 0.05, seed: int = 0, base=None):
+    """(router folder, the PEFT model): a router folder with a draft-scope LoRA at `exit_layer` on `base` (a tiny
+    Llama by default), saved as `tmp_path / "base"`."""
+    base = tiny_llama(0) if base is None else base
     base.save_pretrained(tmp_path / "base")
     peft_model = adapted_copy(base, exit_layer, strength, seed)
     folder = tmp_path / "router"
@@ -126,6 +127,9 @@ def test_exit_mode_and_batches_decode_without_the_draft_path_and_stay_exact_wher
         expected = reference.generate(ids, max_new_tokens=20, do_sample=False)
     assert torch.equal(router.generate(ids, max_new_tokens=20, mode="verify").sequences, expected)
     router.generate(ids[:1], max_new_tokens=10, mode="exit")  # exit mode runs the shared exits as before
+    eager = {"high_conf_threshold": 0.0, "low_conf_threshold": 0.0, "policy": "fixed"}
+    batch = router.generate(ids, max_new_tokens=20, mode="verify", config=eager)
+    assert torch.equal(batch.sequences, expected) and batch.stats.drafts_judged_by_layer.get(1, 0) > 0  # shared exit
     off = router.generate(ids[:1], max_new_tokens=20, mode="verify", config={"active_exit_layers": []})
     assert torch.equal(off.sequences, expected[:1]) and 1 not in off.stats.drafts_judged_by_layer  # its exit is off
 
@@ -163,3 +167,39 @@ def test_eval_heads_figures_compare_the_draft_path_with_the_models_own_layers(tm
         assert held["draft path"] == held["own layers"]
     else:
         assert held["draft path"] != held["own layers"]
+
+
+def test_a_sliding_window_model_drafts_past_its_window_and_rolls_the_draft_cache_back(tmp_path):
+    """Mistral with a 5-position window: the draft cache's sliding layers keep what a rejected tail needs."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    config = MistralConfig(**sizes, num_hidden_layers=6, sliding_window=5, tie_word_embeddings=False)
+    model = MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    folder, peft_model = draft_path_folder(tmp_path, strength=0.3, base=model)
+    router = EarlyExitRouter.from_pretrained(folder, warm_up=False)
+    ids = torch.tensor([[0, 5, 9, 14, 3, 7, 11, 2]])
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=30, do_sample=False)
+    out = router.generate(ids, max_new_tokens=30, mode="verify", config={"draft_path_threshold": 0.0})
+    assert torch.equal(out.sequences, expected) and out.stats.drafts_judged_by_layer.get(1, 0) > 0
+    drafter = AdaptedDrafter(router.stack, router.draft_path, None, None)
+    for tokens in ([0, 5, 9, 14, 3, 7, 11, 2, 4, 4], [0, 5, 9, 14, 3, 7, 11, 8]):  # the second cuts back 2 slots
+        context = list(tokens)
+        for token in drafter.propose(list(tokens), budget=2, threshold=0.0):
+            assert token == adapted_top1(peft_model, context, 1)
+            context.append(token)
+
+
+def test_fresh_heads_skip_the_checkpoint_table_and_a_draft_config_refuses_what_it_ignores(tmp_path):
+    from early_exit_router.training.config import AdaptConfig
+
+    folder = tmp_path / "layerskip-llama3.2-1B"
+    tiny_llama(3, layers=16).save_pretrained(folder)
+    fresh = EarlyExitRouter.from_pretrained(folder, warm_up=False, fresh_heads=True)
+    assert fresh.config.adapter != "identity" and not fresh.config.heads_trained
+    with pytest.raises(ValueError, match="layer dropout and curricula"):
+        AdaptConfig(exit_layers=[4], scope="draft", layer_dropout=0.1)

@@ -9,7 +9,8 @@ import torch
 from early_exit_router.api import EarlyExitRouter
 from early_exit_router.config import RouterConfig
 from early_exit_router.heads.own_head import own_head_checkpoints, recognise
-from tests.conftest import tiny_llama
+
+from .conftest import tiny_llama
 
 LAYERSKIP_1B = "facebook/layerskip-llama3.2-1B"
 

@@ -39,6 +39,7 @@ class AdaptedDrafter:
     def reset(self) -> None:
         """A new sequence: an empty cache."""
         self.cache = self.stack.new_cache()
+        _compat.prepare_for_rollback(self.cache)  # sliding layers keep what a rejected tail needs to be cut back
         self.fed: list[int] = []  # the ids whose keys and values the cache holds
 
     def _keep(self, count: int) -> None:

@@ -234,6 +234,7 @@ class Decoder(DecodeState):
         if all(row.done or row.stop_at is not None for row in self.rows):
             if self.pending:
                 flush(self)
+                self.chained = False
         elif self.fallback is not None:
             self._plain_step()
         elif self._plans_cycles():
@@ -276,8 +277,9 @@ class Decoder(DecodeState):
             self.rule.end_block(self.routing)
         target = None if forced else self.rule.block_target(self.routing)
         asked = set(range(len(self.exits))) if target is None else {target}
-        if forced or chained or target == FULL_DEPTH or self.routing.exits_suspended or self.adapted is not None:
-            asked = set()  # with a draft path, the shared exits do not draft
+        alone = self.adapted is not None and len(self.rows) == 1  # one sequence drafts from its draft path instead
+        if forced or chained or alone or target == FULL_DEPTH or self.routing.exits_suspended:
+            asked = set()
         for at in self.fill.walk(embed(self, q), q, q + 1, self.slots, asked):
             if at.exit < len(self.exits) and worth_asking(self, at.exit, target):
                 exited = try_exit(self, at.exit, at.hidden, q, target)

@@ -53,7 +53,10 @@ def check_adapted(entry: Any, where: Path) -> dict[str, Any] | None:
         raise ValueError(f"{where}: adapted_base must say its format ({' or '.join(FORMATS)}); re-run adapt-base.")
     entry = {"scope": "model", **entry}
     if entry["scope"] not in SCOPES or (entry["scope"] == "draft" and not isinstance(entry.get("exit_layer"), int)):
-        raise ValueError(f"{where}: adapted_base's scope must be one of {SCOPES} (a draft path with its exit_layer).")
+        raise ValueError(
+            f"{where}: adapted_base's scope must be one of {SCOPES} (a draft path with its exit_layer): re-run "
+            "adapt-base."
+        )
     if entry["scope"] == "draft" and entry["format"] != "lora":
         raise ValueError(f"{where}: a draft path is a LoRA (format 'lora'): re-run adapt-base --scope draft.")
     missing = [f for f in (LORA_FILES if entry["format"] == "lora" else ("config.json",)) if not (where / f).is_file()]

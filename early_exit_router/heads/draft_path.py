@@ -47,7 +47,10 @@ def load_draft_path(stack: Any, folder: Path, entry: dict[str, Any]) -> DraftPat
 
     exit_layer = int(entry["exit_layer"])
     if not 0 <= exit_layer < stack.num_layers - 1:
-        raise ValueError(f"{folder}: the draft path's exit_layer {exit_layer} is not below the model's last layer.")
+        raise ValueError(
+            f"{folder}: the draft path's exit_layer {exit_layer} is not below this model's last layer: load it on "
+            "the base it was trained on, or re-run adapt-base --scope draft."
+        )
     copies = [copy.deepcopy(stack.layers[j]) for j in range(exit_layer + 1)]
     # The copies under the model's own module path, so that the adapter's names (and its config's
     # layers_to_transform) find them as they found the model's layers in training.

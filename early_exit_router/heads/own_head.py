@@ -38,6 +38,7 @@ def own_head_checkpoints() -> dict[str, OwnHeadCheckpoint]:
 
 
 def _named(names: list[str]) -> OwnHeadCheckpoint | None:
+    """The checkpoint one of `names` (Hub names or paths) names, by its Hub name or a path part named after it."""
     table = own_head_checkpoints()
     for name in names:
         key = name.replace("\\", "/").lower().rstrip("/")

@@ -70,7 +70,10 @@ def adapt_base(
     if cfg.scope == "draft" and merge:
         raise ValueError("A draft path stays a LoRA on copies of its layers (the model is never changed): drop merge.")
     if head is not None and needs_context(head):
-        raise ValueError("A draft path's head drafts from one position: start it from a head without a block adapter.")
+        raise ValueError(
+            "A draft path's head drafts from one position, and this exit's head is a block adapter: choose an exit "
+            "whose head is not (--exit-layers), or a --model without trained heads there."
+        )
     state_dir = out / STATE_DIR
     check_adapt_out(out, restart)  # before anything is written there
     if restart:

@@ -119,6 +119,8 @@ class AdaptConfig:
             raise ValueError(f"layer_dropout is {self.layer_dropout}: give a probability in [0, 1).")
         if self.scope == "draft" and (self.method != "lora" or len(self.exit_layers) != 1):
             raise ValueError("scope 'draft' trains one exit's draft path as a LoRA: give one exit layer, method lora.")
+        if self.scope == "draft" and (self.layer_dropout or self.curriculum != "none"):
+            raise ValueError("scope 'draft' runs layers 0..E alone: layer dropout and curricula do not apply to it.")
         if self.lr <= 0:
             raise ValueError(f"lr is {self.lr}: give a positive learning rate.")
 

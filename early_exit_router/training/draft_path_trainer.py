@@ -33,7 +33,7 @@ class DraftPathTrainer(LayerSkipTrainer):
     ) -> None:
         self.exit_layer = cfg.exit_layers[0]
         super().__init__(model, chunks, cfg, state_dir)
-        self.head = copy.deepcopy(head).float().requires_grad_(True) if head is not None else None
+        self.head = copy.deepcopy(head).to(self.stack.dtype).requires_grad_(True) if head is not None else None
         self.initial_head = copy.deepcopy(head) if head is not None else None  # the "before" of the report
         if self.head is not None:
             head_params = list(self.head.parameters())

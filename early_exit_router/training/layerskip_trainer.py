@@ -318,6 +318,12 @@ class LayerSkipTrainer:
                 "it started from, loaded afresh (a full fine-tune trains the model it is given), or restart."
             )
         named = self.trainables()
+        shapes = {n: tuple(v.shape) for n, v in state["weights"].items()}
+        if shapes != {n: tuple(p.shape) for n, p in named.items()}:
+            raise ValueError(
+                f"{self.state_dir} holds a run that trained other weights (another head at the exit, or none): "
+                "continue it with the --model it started from, or restart."
+            )
         with torch.no_grad():
             for name, value in state["weights"].items():
                 named[name].copy_(value)
