@@ -51,11 +51,10 @@ class AdaptedDrafter:
     def propose(self, tokens: list[int], budget: int, threshold: float) -> list[int]:
         """Up to `budget` tokens to follow `tokens` (the row's, prompt included): the draft head's greedy chain,
         ending before the first token whose probability is below `threshold`."""
-        shared = 0
-        for a, b in zip(self.fed, tokens):
-            if a != b:
-                break
-            shared += 1
+        shared = len(self.fed)
+        if tokens[:shared] != self.fed:  # one comparison in the usual case: only the row's newest tokens are new
+            pairs = enumerate(zip(self.fed, tokens))
+            shared = next((i for i, (a, b) in pairs if a != b), min(len(self.fed), len(tokens)))
         self._keep(min(shared, len(tokens) - 1))  # the last token is fed again when nothing else is new
         feed, chain = tokens[len(self.fed) :], []
         device = self.stack.device

@@ -74,12 +74,13 @@ class DraftPathTrainer(LayerSkipTrainer):
         """The draft path's top-1 against the original model's on the held-out chunks, before (the LoRA off, the head
         as it came) and now; the model's own output is the original's by construction."""
         chunks, e = self.heldout[:EVAL_CHUNKS].to(self.stack.device), str(self.exit_layer)
-        with self.teacher() as original:
-            original.eval()
-            top1 = original(input_ids=chunks, use_cache=False).logits.argmax(-1)
-            if self._original_figures is None:
+        if self._original_figures is None:  # the original and the path as it started do not change: measured once
+            with self.teacher() as original:
+                original.eval()
+                top1 = original(input_ids=chunks, use_cache=False).logits.argmax(-1)
                 before = draft.token_ids[self.exit_logits(chunks, draft, self.initial_head).argmax(-1)]
-                self._original_figures = {"exit": round(float((before == top1).float().mean()), 4)}
+            self._original_figures = {"top1": top1, "exit": round(float((before == top1).float().mean()), 4)}
+        top1 = self._original_figures["top1"]
         after = draft.token_ids[self.exit_logits(chunks, draft, self.head).argmax(-1)]
         return {
             "last_agreement": 1.0,  # the model is not changed
