@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from early_exit_router.config_checks import (
     as_exit_adapters,
     as_layers,
     check_booleans,
+    check_cascade,
     check_drafting,
     check_exit_depth,
     check_exit_layers,
@@ -175,25 +175,22 @@ class CascadeOptions:
         default=0.0,
         metadata={"help": "Mean-confidence bound for confidence_window (in [0, 1])."},
     )
+    repeat_guard: int = field(
+        default=64,
+        metadata={
+            "help": "Exit mode under a holdback (where exited tokens may reach the caller unchecked), greedy: an exit "
+            "whose token is a word (3+ letters, as the tokenizer decodes it; none without a tokenizer) among the "
+            "last this-many generated tokens goes deeper. Shallow heads copy the previous list item ('1. Monday 2. "
+            "Monday'), which then cascades; with holdback None repairs catch it. Tokens inside a block (block_size) "
+            "follow its first. 0 turns it off."
+        },
+    )
 
     def __post_init__(self) -> None:
         self._check_cascade()
 
     def _check_cascade(self) -> None:
-        if self.active_exit_layers is not None:
-            self.active_exit_layers = as_layers("active_exit_layers", self.active_exit_layers)
-        for name in ("high_conf_threshold", "low_conf_threshold", "gate_threshold", "window_min_confidence"):
-            check_unit_interval(name, getattr(self, name))
-        if self.low_conf_threshold > self.high_conf_threshold:
-            raise ValueError(
-                f"low_conf_threshold ({self.low_conf_threshold}) is above high_conf_threshold "
-                f"({self.high_conf_threshold}): set low <= high."
-            )
-        if self.entropy_normalized:
-            check_unit_interval("entropy_threshold (normalized)", self.entropy_threshold)
-        elif not (self.entropy_threshold >= 0 and math.isfinite(self.entropy_threshold)):
-            raise ValueError(f"entropy_threshold must be a finite number of nats >= 0, got {self.entropy_threshold}.")
-        check_integers(self, {"block_size": 1, "max_pending": 1, "confidence_window": 0})
+        check_cascade(self)
 
 
 @dataclass

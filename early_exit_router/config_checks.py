@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -78,6 +79,24 @@ def check_drafting(options: Any, choices: Mapping[str, Sequence[str]]) -> None:
         raise ValueError(
             f"ngram_min_size ({options.ngram_min_size}) is above ngram_size ({options.ngram_size}): set min <= size."
         )
+
+
+def check_cascade(options: Any) -> None:
+    """`CascadeOptions`' fields: the thresholds, the entropy bound and the window rules."""
+    if options.active_exit_layers is not None:
+        options.active_exit_layers = as_layers("active_exit_layers", options.active_exit_layers)
+    for name in ("high_conf_threshold", "low_conf_threshold", "gate_threshold", "window_min_confidence"):
+        check_unit_interval(name, getattr(options, name))
+    if options.low_conf_threshold > options.high_conf_threshold:
+        raise ValueError(
+            f"low_conf_threshold ({options.low_conf_threshold}) is above high_conf_threshold "
+            f"({options.high_conf_threshold}): set low <= high."
+        )
+    if options.entropy_normalized:
+        check_unit_interval("entropy_threshold (normalized)", options.entropy_threshold)
+    elif not (options.entropy_threshold >= 0 and math.isfinite(options.entropy_threshold)):
+        raise ValueError(f"entropy_threshold must be a finite number of nats >= 0, got {options.entropy_threshold}.")
+    check_integers(options, {"block_size": 1, "max_pending": 1, "confidence_window": 0, "repeat_guard": 0})
 
 
 def check_monitoring(options: Any) -> None:

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
-from early_exit_router.bench.bench import CONTROL, ENGINE_CONTROL, HF_COMPILED, NO_REPAIR, BenchConfig, run_bench
+from early_exit_router.bench.bench import (
+    CONTROL,
+    ENGINE_CONTROL,
+    HF_COMPILED,
+    NO_GUARD,
+    NO_REPAIR,
+    BenchConfig,
+    run_bench,
+)
 from early_exit_router.bench.trace import render_trace, trace_legend
 from early_exit_router.cli import main
 from early_exit_router.routing.costs import cpu_model
@@ -235,6 +243,7 @@ def test_cli_generate_trace_bench_and_calibrate(tiny_folder, tmp_path, capsys):
         ENGINE_CONTROL,
         "router exit (loaded config)",
         NO_REPAIR,
+        NO_GUARD,
         "router exit @0.05",
     }
 
@@ -660,14 +669,16 @@ def test_the_report_counts_exit_modes_repairs_per_arm():
     records = []
     for k in range(3):
         for arm in arms:
-            stats = None
+            stats, lossy = None, arm.overrides != {}
+            seen = dict(quality, identical=False, first_divergence=7) if lossy and k else dict(quality)
             if arm.kind == "router":
-                repaired, released = (k + 1, 0) if arm.overrides == {} else (0, 0)
+                repaired, released = (k + 1, 0) if not lossy else (0, 0)
                 stats = {"exit_histogram": {"4": 2, "29": 18}, "hit_rate": 0.1, "new_tokens": 20, "plain_share": 0.0,
                          "routing_overhead": 0.01, "policy_cycles": {}, "repaired_tokens": repaired,
-                         "released_unchecked": released}  # fmt: skip
+                         "released_unchecked": released, "repeat_refusals": int(lossy),
+                         "first_divergence": 7 if lossy and k == 1 else None}  # fmt: skip
             records.append(RunRecord(f"p{k}", "list", arm.name, 0, [5] * 20, 1.0, 0.1, [0.05] * 19, None, None, stats,
-                                     quality=dict(quality)))  # fmt: skip
+                                     quality=seen))  # fmt: skip
     summary = summarize(records, arms)
     rows = {(row["category"], row["arm"]): row for row in summary}
     assert rows[("all", "router exit (loaded config)")]["repaired_tokens"] == 6
@@ -675,10 +686,18 @@ def test_the_report_counts_exit_modes_repairs_per_arm():
     meta = {"model": "tiny", "machine": "cpu", "dtype": "float32", "torch": "x", "transformers": "y", "prompts": 3,
             "bench_config": {"max_new_tokens": 20, "repeats": 1}, "num_layers": 30}  # fmt: skip
     section = format_markdown(meta, summary).split("### all")[1]
-    assert "- router exit (loaded config): 6 wrong exited tokens repaired before release, 0 released unchecked." in (
-        section.splitlines()
+    lines = section.splitlines()
+    assert (
+        "- router exit (loaded config): 6 wrong exited tokens repaired before release, 0 released unchecked; 0 outputs "
+        "left the full model's by the router's own account (its first divergence is bench's in 3/3 runs); the repeat "
+        "guard sent 0 exits deeper." in lines
     )
-    assert NO_REPAIR + ":" not in section  # nothing repaired, nothing released: no line
+    # the router saw one of the two outputs that left the plain model's (the other past its last check)
+    assert (
+        f"- {NO_REPAIR}: 0 wrong exited tokens repaired before release, 0 released unchecked; 1 output left the full "
+        "model's by the router's own account (its first divergence is bench's in 2/3 runs); the repeat guard sent 3 "
+        "exits deeper." in lines
+    )
 
 
 def test_hf_compiled_arm_runs_hf_static_cache_compiled_and_reports_speedups_over_it():

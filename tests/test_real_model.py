@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from early_exit_router import EarlyExitRouter
+from early_exit_router.bench.metrics import first_divergence
 from early_exit_router.cli import main
 from early_exit_router.heads.checkpoint import is_router_dir, load_router, shipped_checkpoint
 from early_exit_router.models.loading import alias_gguf_path
@@ -83,6 +84,23 @@ def test_exit_mode_repairs_the_list_it_once_got_wrong(smol):
     out = smol.generate(ids, max_new_tokens=48, mode="exit")
     assert torch.equal(out.sequences, ref)
     assert out.stats.hit_rate > 0 and out.stats.released_unchecked == 0 and out.stats.output_agreement == 1.0
+
+
+def test_unrepaired_exit_mode_keeps_the_list_with_the_repeat_guard(smol):
+    """The same example with nothing repaired (holdback 0): the L24 head copies Monday into the second item, which
+    cascades. The repeat guard sends that copy deeper, so the list is the full model's; without it the statistics
+    say exactly where the output left the full model's."""
+    ids = smol.encode("List the seven days of the week.", chat=True)
+    with smol.disabled() as plain:
+        ref = plain.generate(ids, max_new_tokens=48, do_sample=False)[0, ids.shape[1] :].tolist()
+    lossy = {"holdback": 0, "ngram_store_tokens": 0}  # no copy of an earlier call's answer
+    guarded = smol.generate(ids, max_new_tokens=48, mode="exit", config=lossy)
+    assert guarded.sequences[0, ids.shape[1] :].tolist() == ref
+    assert guarded.stats.repeat_refusals > 0 and guarded.stats.hit_rate > 0 and guarded.stats.first_divergence is None
+    bare = smol.generate(ids, max_new_tokens=48, mode="exit", config=dict(lossy, repeat_guard=0))
+    new = bare.sequences[0, ids.shape[1] :].tolist()
+    assert new != ref and bare.stats.first_divergence == first_divergence(ref, new)
+    assert "Monday\n2. Monday" in smol.tokenizer.decode(new)
 
 
 def test_exit_agreement_is_teacher_forced_agreement_of_the_final_early_tokens(smol):

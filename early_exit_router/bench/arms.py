@@ -11,6 +11,7 @@ from early_exit_router.models.compiled import compile_unsupported
 CONTROL = "plain HF generate"
 ENGINE_CONTROL = "router, exits off"
 NO_REPAIR = "router exit, no repair (holdback 0)"
+NO_GUARD = "router exit, no repair, no repeat guard"  # what `repeat_guard` buys where nothing repairs
 # HF's own fast path, the speed a user who knows transformers gets without this package: a static cache and the
 # decode step compiled by torch.compile (`_compat.compiled_generate_kwargs`)
 HF_COMPILED = "HF static cache + torch.compile"
@@ -45,7 +46,8 @@ class BenchConfig:
     engine_control: bool = True
     assistant_early_exit: tuple[int, ...] | None = None  # None: the deepest exit layer + 1; () skips the arm
     prompt_lookup_num_tokens: int = 10  # 0 skips the arm
-    no_repair_arm: bool = True  # exit mode: the loaded config also without repairs (holdback 0)
+    no_repair_arm: bool = True  # exit mode: the loaded config also without repairs (holdback 0), with and without
+    # the repeat guard
     hf_compiled: bool = True  # the anchor arm: HF generate with a static cache and torch.compile (`HF_COMPILED`)
     compiled: bool = True  # where the router's passes compile: exits off and each mode's loaded config, compiled
     warmup: bool = True
@@ -86,6 +88,8 @@ def build_arms(router: Any, cfg: BenchConfig, others: Sequence[str] = ()) -> lis
             arms.append(Arm(name, "router", mode, {"compile": True}, family=family, compiled=True))
         if cfg.loaded_config and cfg.no_repair_arm and mode == "exit":  # what repairs cost and buy
             arms.append(Arm(NO_REPAIR, "router", mode, {"holdback": 0}, family="router exit, no repair"))
+            unguarded = {"holdback": 0, "repeat_guard": 0}
+            arms.append(Arm(NO_GUARD, "router", mode, unguarded, family="router exit, no repair, no repeat guard"))
         for t in sorted(cfg.thresholds, reverse=True):
             overrides = threshold_overrides(t)
             arms.append(Arm(f"router {mode} @{t:g}", "router", mode, overrides, family=f"router {mode}", threshold=t))

@@ -46,6 +46,7 @@ from early_exit_router.bench.arms import (  # noqa: F401 (the names the bench is
     CONTROL,
     ENGINE_CONTROL,
     HF_COMPILED,
+    NO_GUARD,
     NO_REPAIR,
     Arm,
     BenchConfig,

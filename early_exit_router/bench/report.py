@@ -138,13 +138,21 @@ def _differing_outputs(rows: list[dict[str, Any]]) -> list[str]:
     return ["", f"Outputs that differ from {name}'s (token positions count from the first new token):", "", *lines]
 
 
+def _outputs(count: int) -> str:
+    return f"{count} output" + ("" if count == 1 else "s")
+
+
 def _repairs(rows: list[dict[str, Any]]) -> list[str]:
-    """Exit mode's arms: the exited tokens the fill pass replaced before release, and those released unchecked."""
+    """Exit mode's arms: the exited tokens the fill pass replaced before release, those released unchecked, the
+    outputs the router itself found leaving the full model's (against bench's measurement) and the repeat guard."""
     lines = [
         f"- {row['arm']}: {row['repaired_tokens']} wrong exited tokens repaired before release, "
-        f"{row.get('released_unchecked', 0)} released unchecked."
+        f"{row.get('released_unchecked', 0)} released unchecked; {_outputs(row.get('divergences_found', 0))} left "
+        f"the full model's by the router's own account (its first divergence is bench's in "
+        f"{row.get('divergence_as_measured', 0)}/{row['runs']} runs); the repeat guard sent "
+        f"{row.get('repeat_refusals', 0)} exits deeper."
         for row in rows
-        if row.get("repaired_tokens") or row.get("released_unchecked")
+        if any(row.get(k) for k in ("repaired_tokens", "released_unchecked", "repeat_refusals", "divergences_found"))
     ]
     return ["", "Exit mode's repairs:", "", *lines] if lines else []
 

@@ -106,6 +106,13 @@ def summarize(records: list[RunRecord], arms: list[Arm]) -> list[dict[str, Any]]
                     # exit mode: wrong exited tokens replaced before release, and exited tokens released unchecked
                     "repaired_tokens": sum(s.get("repaired_tokens", 0) for s in stats),
                     "released_unchecked": sum(s.get("released_unchecked", 0) for s in stats),
+                    # free-running, as the router saw it: the outputs it found leaving the full model's, and the
+                    # runs where its figure is bench's own first divergence (both none included); the repeat guard
+                    "divergences_found": sum(s.get("first_divergence") is not None for s in stats),
+                    "divergence_as_measured": sum(
+                        r.stats.get("first_divergence") == r.quality["first_divergence"] for r in runs if r.stats
+                    ),
+                    "repeat_refusals": sum(s.get("repeat_refusals", 0) for s in stats),
                     **correct_fields(runs, control),
                 }
             )

@@ -216,6 +216,8 @@ def remove(decoder: Any, rows: list[Any]) -> None:
     if not decoder.rows:
         decoder.reset()
         return
+    # the controller stops loosening for an output that diverged, not for the rows that outlive it
+    decoder.routing.diverged = any(row.counters.diverged is not None for row in decoder.rows)
     index = torch.tensor(keep, device=decoder.slots.seq.device)
     decoder.slots.select(index)
     decoder.fill.cache.batch_select_indices(index)

@@ -267,7 +267,8 @@ def judge(dec: DecodeState, first: int, offsets: list[int] | None, verdicts: lis
     acceptance estimates and per tier: on early tokens that stay `final` (exit mode's checks), whose agreement is the
     quality the rolling monitor watches and the threshold controller steers, or on drafts a verify cycle judged.
     Exit mode's exited tokens that a verify cycle judged (repaired where refused) are the controller's evidence too:
-    it then holds the rate of repairs, as it holds the rate of final disagreements without them."""
+    it then holds the rate of repairs, as it holds the rate of final disagreements without them. A final token
+    found wrong is where the output left the full model's (`RowCounters.diverged`, free-running)."""
     seen: list[bool] = []
     exited: list[bool] = []
     for row, oks in zip(dec.rows, verdicts):
@@ -282,12 +283,24 @@ def judge(dec: DecodeState, first: int, offsets: list[int] | None, verdicts: lis
             seen.append(bool(ok))
             if dec.mode == "exit" and draft.tier < len(dec.exits):
                 exited.append(bool(ok))
+            if final and not ok and dec.mode == "exit":
+                _diverged(dec, row, first + offset + 1 - row.start)
     if not final:
         seen = exited
     if seen:
         dec.monitor.observe(seen)
         dec.routing.quality.add_checks(seen)
         dec.rule.adjust(dec.routing)
+
+
+def _diverged(dec: DecodeState, row: Row, new_index: int) -> None:
+    """A final token (released exited token, or an unverified n-gram copy) its check found wrong: the first such
+    token of `row`'s output is where it left the full model's. Tokens past the row's end (a batch keeps appending to a
+    row whose stop is still tentative) are no part of any output."""
+    end = row.stop_at if row.stop_at is not None else row.request.max_new_tokens
+    if row.counters.diverged is None and new_index < end:
+        row.counters.diverged = new_index
+        dec.routing.diverged = True
 
 
 def _judge_proposals(dec: DecodeState, accepted: list[int], tokens: list[int | None]) -> None:

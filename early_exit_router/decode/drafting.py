@@ -114,6 +114,12 @@ def try_exit(
         ok, low, *chosen = torch.stack(signals).tolist()
         if alternatives:
             chosen, ranked = chosen[: -(alternatives + 1)], chosen[-(alternatives + 1) :]
+        # The shallow heads copy an earlier item ("1. Monday 2. Monday"): where an exited token may reach the caller
+        # unchecked (a lossy holdback), a word the output already holds goes deeper (repairs catch it otherwise).
+        if ok and chosen and _lossy(dec) and dec.rule.repeats(_deciding(dec), chosen):
+            ok = False
+            dec.passes.repeat_refusals += int(dec.routing.guarded_at != q)  # once per token, whichever exits asked
+            dec.routing.guarded_at = q
         dec.passes.routing_s += time.perf_counter() - t0
         if not ok:
             for row, token in zip(dec.rows, chosen):  # judged once the deep pass has chosen (`judge_refusals`)
@@ -224,6 +230,16 @@ def gate_probability_at(
     tokens = [ngram_token(dec, row) for row in dec.rows] if dec.exit_drafter.needs_context(gate) else None
     agreement = dec.tracker.estimate(("agree", i))
     return dec.exit_drafter.gate_probability(gate, last, tokens, agreement, logits, trimmed)
+
+
+def _lossy(dec: DecodeState) -> bool:
+    """Whether an exited token may reach the caller unchecked: exit mode under a holdback (None repairs them all)."""
+    return dec.mode == "exit" and dec.config.holdback is not None
+
+
+def _deciding(dec: DecodeState) -> list[tuple[list[int], int]]:
+    """Each row's (tokens, prompt length), a finished row's as empty (the repeat guard reads what rows decide)."""
+    return [(row.tokens, row.prompt_len) if not row.done else ([], 0) for row in dec.rows]
 
 
 def _every_active(dec: DecodeState, flags: torch.Tensor) -> bool:

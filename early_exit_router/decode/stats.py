@@ -47,6 +47,11 @@ class GenerationStats:
     # every exited token was checked first, and greedy output is the full model's).
     repaired_tokens: int = 0
     released_unchecked: int = 0
+    # Exit mode, free-running: the new token where the output first left the full model's (the first released exited
+    # token its check found wrong: before it the prefix was the full model's own, so this is where a cascade starts;
+    # None: none found; a batch: its earliest row's), and the exits the repeat guard sent deeper (`repeat_guard`).
+    first_divergence: int | None = None
+    repeat_refusals: int = 0
     deep_passes: int = 0  # decode-time passes through the last layer (the prompt's prefill excluded)
     mean_fill_chunk: float = 0.0  # mean positions per deep pass (1 = no exited token waited)
     forced_deep: int = 0  # deep passes forced by the window rules
@@ -143,7 +148,10 @@ class GenerationStats:
     def _repairs(self) -> str:
         """Exit mode: what the deep pass repaired before the caller saw it, and what reached the caller unchecked."""
         unchecked = f"{self.released_unchecked} released unchecked" if self.released_unchecked else "none unchecked"
-        return f"repaired {self.repaired_tokens} exited tokens, {unchecked}"
+        at = self.first_divergence
+        diverged = "" if at is None else f" (the output left the full model's at new token {at})"
+        guard = f"; repeat guard sent {self.repeat_refusals} deeper" if self.repeat_refusals else ""
+        return f"repaired {self.repaired_tokens} exited tokens, {unchecked}{diverged}{guard}"
 
 
 @dataclass
@@ -159,6 +167,7 @@ class RowCounters:
     verify_passes: int = 0  # deep passes that judged at least one of this row's drafts
     repaired: int = 0  # exit mode: exited tokens the deep pass replaced before they reached the caller
     released: int = 0  # exit mode: exited tokens that reached the caller unchecked (the holdback's)
+    diverged: int | None = None  # exit mode: the first released exited token found wrong (its new-token index)
 
     @classmethod
     def for_tiers(cls, tiers: int) -> RowCounters:
@@ -178,6 +187,7 @@ class PassCounters:
     plan_counts: dict[str, int] = field(default_factory=dict)  # cost policy: draft cycles per plan
     unpaid_asks: dict[int, int] = field(default_factory=dict)  # ask rule: exit index -> tokens where asking did not pay
     exited_seen: int = 0  # exit mode: exited tokens the deep layers have seen (the check sample's counter)
+    repeat_refusals: int = 0  # exit mode: exits the repeat guard sent deeper
 
     def copy(self) -> PassCounters:
         return replace(self, plan_counts=dict(self.plan_counts), unpaid_asks=dict(self.unpaid_asks))
@@ -279,6 +289,8 @@ def row_stats(
         rejected_drafts=c.rejected,
         repaired_tokens=c.repaired,
         released_unchecked=c.released,
+        first_divergence=c.diverged,
+        repeat_refusals=passes.repeat_refusals,
         mean_accepted_length=sum(c.accepted) / c.verify_passes if c.verify_passes else 0.0,
         verify_passes=c.verify_passes,
         min_rolling_agreement=monitor.minimum if checked >= monitor.window else None,
@@ -366,6 +378,8 @@ def combined_stats(rows: list[GenerationStats], one_after_another: bool = False)
         rejected_drafts=sum(r.rejected_drafts for r in rows),
         repaired_tokens=sum(r.repaired_tokens for r in rows),
         released_unchecked=sum(r.released_unchecked for r in rows),
+        first_divergence=min((r.first_divergence for r in rows if r.first_divergence is not None), default=None),
+        repeat_refusals=shared("repeat_refusals"),
         mean_accepted_length=accepted / verify_passes if verify_passes else 0.0,
         verify_passes=verify_passes,
         min_rolling_agreement=longest.min_rolling_agreement,  # one monitor watches the batch

@@ -8,6 +8,8 @@ The cascade at one exit (all thresholds from `RouterConfig`):
    A head gate (`LearnedGate(head=True)`) runs after the head instead, and its P(agree), learned from the head's
    output, the hidden state and the context, is the `c` the thresholds compare.
 3. Between the two, entropy `H` (in nats, or `H / log(vocab)` when normalised): exit if `H <= entropy_threshold`.
+4. Repeat guard (exit mode, where tokens may reach the caller unchecked): a head token that is a word among the last
+   `repeat_guard` generated tokens goes deeper; shallow heads copy the previous list item, which then cascades.
 
 Window rules, checked before the cascade: at most `max_pending` exited tokens may wait for the deep layers, and an
 optional window of recent exit confidences whose mean falls below `window_min_confidence` forces a deep pass.
@@ -22,8 +24,11 @@ True runs after the head and also receives `heads.head_features` of its logits (
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +37,29 @@ from early_exit_router.routing.quality_target import QualityWindow, controller_m
 
 FULL_DEPTH = -1  # block target meaning "the full model"
 TIGHTEN_STEPS = 4  # the controller raises the thresholds this many steps at once, and lowers them one at a time
+_WORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its size, its word ids)
+
+
+def word_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of `tokenizer`'s tokens that are words to the repeat guard: three or more letters once the leading
+    space is stripped, as the tokenizer itself decodes each token (byte-level and SentencePiece vocabularies alike).
+    Read once per tokenizer (half a second for 49k tokens); none without a tokenizer (the guard then never fires)."""
+    if tokenizer is None:
+        return frozenset()
+    size = len(tokenizer)
+    try:
+        known, words = _WORDS[tokenizer]
+        if known == size:  # else tokens were added since
+            return words
+    except (KeyError, TypeError):  # TypeError: a tokenizer that cannot be weakly referenced is read every time
+        pass
+    texts = tokenizer.batch_decode([[i] for i in range(size)])
+    words = frozenset(i for i, text in enumerate(texts) if len(word := text.strip()) >= 3 and word.isalpha())
+    try:
+        _WORDS[tokenizer] = (size, words)
+    except TypeError:
+        pass
+    return words
 
 
 @dataclass
@@ -44,14 +72,17 @@ class RoutingState:
     threshold_shift: float = 0.0  # the controller's offset on both confidence thresholds
     quality: QualityWindow = field(default_factory=lambda: QualityWindow(1))  # the evidence the controller reads
     exits_suspended: str | None = None  # why exits stopped (no threshold held the target), else None
+    diverged: bool = False  # a released exited token was found wrong: the output has left the full model's
+    guarded_at: int = -1  # the slot the repeat guard last refused an exit at (it counts tokens, not asks)
 
 
 class ExitRule:
     """The exit decisions of one config; stateless apart from `RoutingState`, which is per decode."""
 
-    def __init__(self, config: RouterConfig, vocab_size: int) -> None:
+    def __init__(self, config: RouterConfig, vocab_size: int, words: frozenset[int] = frozenset()) -> None:
         self.config = config
         self.log_vocab = math.log(vocab_size)
+        self.words = words  # the repeat guard's vocabulary: ids of tokens that are words (`word_ids`)
 
     def new_state(self) -> RoutingState:
         return RoutingState(
@@ -84,6 +115,17 @@ class ExitRule:
 
     def end_block(self, state: RoutingState) -> None:
         state.block_remaining = 0
+
+    def repeats(self, rows: Sequence[tuple[Sequence[int], int]], tokens: Sequence[float]) -> bool:
+        """Repeat guard (exit mode): whether a row's exit token is a word among its last `repeat_guard` generated
+        tokens. `rows`: each deciding row's (prompt + generated tokens, prompt length); `tokens`: their exits' ids."""
+        window = self.config.repeat_guard
+        if not (window and self.words):
+            return False
+        for (seq, start), token in zip(rows, tokens):
+            if int(token) in self.words and int(token) in seq[max(start, len(seq) - window) :]:
+                return True
+        return False
 
     def gate_allows(self, gate_prob: torch.Tensor) -> torch.Tensor:
         """Gate probabilities -> bool tensor of the same shape (on device, no sync)."""
@@ -142,7 +184,9 @@ class ExitRule:
         if cfg.target_agreement is None or state.exits_suspended:
             return
         move = controller_move(state.quality, cfg.target_agreement)
-        if move == 0:
+        # Once the output has left the full model's, later checks read a prefix it never wrote, and it agrees with
+        # its own broken pattern (a wrong list item cascades while every check passes): no evidence to loosen on.
+        if move == 0 or (move < 0 and state.diverged):
             return
         low_bound, high_bound = -cfg.high_conf_threshold, 1.0 - cfg.low_conf_threshold
         step = cfg.controller_step * (TIGHTEN_STEPS if move > 0 else -1)

@@ -328,6 +328,8 @@ def _routing(result: JobResult) -> dict[str, Any]:
         "exit_checked": s.exit_checked,
         "repaired_tokens": s.repaired_tokens,  # exit mode: wrong exited tokens replaced before they were sent
         "released_unchecked": s.released_unchecked,
+        "first_divergence": s.first_divergence,  # exit mode: the new token where the output left the full model's
+        "repeat_refusals": s.repeat_refusals,  # exit mode: tokens the repeat guard sent deeper (the batch's)
         "draft_acceptance": None if s.draft_acceptance is None else round(s.draft_acceptance, 4),
         "drafts_judged": s.drafts_judged,
         "exits_suspended": s.exits_suspended,

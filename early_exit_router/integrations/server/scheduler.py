@@ -439,7 +439,7 @@ class Scheduler:
                     return
                 run.decoder.finish()
                 row = run.decoder.rows[0]
-                new_ids, stats = run.sent + row.output(), run.decoder.stats(row)
+                new_ids, stats = run.sent + row.output(), _after_sent(run.decoder.stats(row), len(run.sent))
             self._running.remove(run)
             self._finish(run.job, run.tracker, new_ids, stats)
         except Exception as error:  # a failure of one request must not stop the worker
@@ -468,3 +468,11 @@ def _live(waiting: collections.deque[Job], stats: SchedulerStats) -> collections
     live = collections.deque(job for job in waiting if not job.cancelled.is_set())
     stats.requests_cancelled += len(waiting) - len(live)
     return live
+
+
+def _after_sent(stats: GenerationStats, sent: int) -> GenerationStats:
+    """A restarted request's statistics with its first divergence counted from its first new token, the `sent` tokens
+    before the restart included (the rest covers the part decoded after it)."""
+    if stats.first_divergence is not None:
+        stats.first_divergence += sent
+    return stats
