@@ -47,9 +47,10 @@ class GenerationStats:
     # every exited token was checked first, and greedy output is the full model's).
     repaired_tokens: int = 0
     released_unchecked: int = 0
-    # Exit mode, free-running: the new token where the output first left the full model's (the first released exited
-    # token its check found wrong: before it the prefix was the full model's own, so this is where a cascade starts;
-    # None: none found; a batch: its earliest row's), and the exits the repeat guard sent deeper (`repeat_guard`).
+    # Exit mode, free-running: the new token where the output first left the full model's (the first final token, a
+    # released exited token or an unverified n-gram copy, its check found wrong: before it the prefix was the full
+    # model's own, so this is where a cascade starts; None: none found; a batch: its earliest row's), and the tokens
+    # the repeat guard sent deeper (`repeat_guard`).
     first_divergence: int | None = None
     repeat_refusals: int = 0
     deep_passes: int = 0  # decode-time passes through the last layer (the prompt's prefill excluded)
@@ -167,7 +168,7 @@ class RowCounters:
     verify_passes: int = 0  # deep passes that judged at least one of this row's drafts
     repaired: int = 0  # exit mode: exited tokens the deep pass replaced before they reached the caller
     released: int = 0  # exit mode: exited tokens that reached the caller unchecked (the holdback's)
-    diverged: int | None = None  # exit mode: the first released exited token found wrong (its new-token index)
+    diverged: int | None = None  # exit mode: the first final token found wrong (its new-token index)
 
     @classmethod
     def for_tiers(cls, tiers: int) -> RowCounters:
@@ -187,7 +188,7 @@ class PassCounters:
     plan_counts: dict[str, int] = field(default_factory=dict)  # cost policy: draft cycles per plan
     unpaid_asks: dict[int, int] = field(default_factory=dict)  # ask rule: exit index -> tokens where asking did not pay
     exited_seen: int = 0  # exit mode: exited tokens the deep layers have seen (the check sample's counter)
-    repeat_refusals: int = 0  # exit mode: exits the repeat guard sent deeper
+    repeat_refusals: int = 0  # exit mode: tokens the repeat guard sent deeper
 
     def copy(self) -> PassCounters:
         return replace(self, plan_counts=dict(self.plan_counts), unpaid_asks=dict(self.unpaid_asks))

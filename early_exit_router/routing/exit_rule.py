@@ -72,7 +72,7 @@ class RoutingState:
     threshold_shift: float = 0.0  # the controller's offset on both confidence thresholds
     quality: QualityWindow = field(default_factory=lambda: QualityWindow(1))  # the evidence the controller reads
     exits_suspended: str | None = None  # why exits stopped (no threshold held the target), else None
-    diverged: bool = False  # a released exited token was found wrong: the output has left the full model's
+    diverged: bool = False  # a final token was found wrong: the output has left the full model's
     guarded_at: int = -1  # the slot the repeat guard last refused an exit at (it counts tokens, not asks)
 
 
