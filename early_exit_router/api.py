@@ -49,7 +49,7 @@ from early_exit_router.models.architecture import LayerStack
 from early_exit_router.models.discovery import stack_for
 from early_exit_router.models.loading import load_base_model, parse_dtype
 from early_exit_router.routing.costs import CostModel, chunk_widths, cost_key, cost_model_for, warm_widths
-from early_exit_router.routing.exit_rule import ExitRule, word_ids
+from early_exit_router.routing.exit_rule import ExitRule, guards_repeats, word_ids
 from early_exit_router.routing.ngram import SuffixStore, store_for
 
 __all__ = ["EarlyExitRouter", "GenerationOutput"]
@@ -309,8 +309,7 @@ class EarlyExitRouter:
             cfg, design = layout
         costs = self.costs(config=cfg) if cfg.policy == "cost" else None
         pad = self.pad_token_id() if pad_token_id is None else pad_token_id
-        guarded = mode == "exit" and cfg.repeat_guard and cfg.holdback is not None  # tokens released unchecked
-        words = word_ids(self.tokenizer) if guarded else frozenset()
+        words = word_ids(self.tokenizer) if guards_repeats(cfg, mode) else frozenset()  # read once per tokenizer
         return Decoder(self.stack, self.heads, ExitRule(cfg, self.stack.vocab_size, words), cfg, mode, costs=costs,
                        store=self.ngram_store(cfg), batch_design=design, pad_token_id=pad,
                        draft_path=self.draft_path)  # fmt: skip

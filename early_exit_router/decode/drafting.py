@@ -17,6 +17,7 @@ from early_exit_router.decode.emit import append, choose, embed
 from early_exit_router.decode.state import DecodeState, Draft, Row, VerifyCycle
 from early_exit_router.heads.draft import trimmed_top1
 from early_exit_router.heads.gates import uses_head
+from early_exit_router.routing.exit_rule import guards_repeats
 from early_exit_router.routing.ngram import NO_PROPOSAL, ContextIndex, Proposal
 from early_exit_router.routing.policy import Plan, TierKey
 from early_exit_router.routing.token_tree import TokenTree
@@ -116,7 +117,7 @@ def try_exit(
             chosen, ranked = chosen[: -(alternatives + 1)], chosen[-(alternatives + 1) :]
         # The shallow heads copy an earlier item ("1. Monday 2. Monday"): where an exited token may reach the caller
         # unchecked (a lossy holdback), a word the output already holds goes deeper (repairs catch it otherwise).
-        if ok and chosen and _lossy(dec) and dec.rule.repeats(_deciding(dec), chosen):
+        if ok and chosen and guards_repeats(dec.config, dec.mode) and dec.rule.repeats(_deciding(dec), chosen):
             ok = False
             dec.passes.repeat_refusals += int(dec.routing.guarded_at != q)  # once per token, whichever exits asked
             dec.routing.guarded_at = q
@@ -230,11 +231,6 @@ def gate_probability_at(
     tokens = [ngram_token(dec, row) for row in dec.rows] if dec.exit_drafter.needs_context(gate) else None
     agreement = dec.tracker.estimate(("agree", i))
     return dec.exit_drafter.gate_probability(gate, last, tokens, agreement, logits, trimmed)
-
-
-def _lossy(dec: DecodeState) -> bool:
-    """Whether an exited token may reach the caller unchecked: exit mode under a holdback (None repairs them all)."""
-    return dec.mode == "exit" and dec.config.holdback is not None
 
 
 def _deciding(dec: DecodeState) -> list[tuple[list[int], int]]:

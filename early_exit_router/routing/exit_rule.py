@@ -62,6 +62,12 @@ def word_ids(tokenizer: Any) -> frozenset[int]:
     return words
 
 
+def guards_repeats(config: RouterConfig, mode: str) -> bool:
+    """Whether a decode in `mode` runs the repeat guard: exit mode where an exited token may reach the caller
+    unchecked (a holdback other than None, which repairs every wrong one), with a window."""
+    return mode == "exit" and config.holdback is not None and config.repeat_guard > 0
+
+
 @dataclass
 class RoutingState:
     """Per-sequence routing memory: recent exit confidences and the current block's decision."""
