@@ -46,6 +46,7 @@ from early_exit_router.heads.own_head import own_head_config
 from early_exit_router.integrations import hf_generate
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
+from early_exit_router.models.compiled import warm_passes
 from early_exit_router.models.discovery import stack_for
 from early_exit_router.models.loading import load_base_model, parse_dtype
 from early_exit_router.routing.costs import CostModel, chunk_widths, cost_key, cost_model_for, warm_widths
@@ -451,10 +452,10 @@ class EarlyExitRouter:
         asks; the result is cached on disk (see `routing/costs.py`). `refresh=True` measures again."""
         if self.cost_model is not None and not refresh:
             return self.cost_model
-        key = cost_key(self.stack, (config := config or self.config).draft_vocab_size)
+        key = cost_key(self.stack, (config := config or self.config).draft_vocab_size, compiled := config.compile)
         stale = self._measured is not None and self._measured.stale  # decoders timed steps the table does not fit
         if refresh or stale or self._measured is None or self._measured.key != key:  # in memory: no disk read per call
-            self._measured = cost_model_for(self.stack, self.heads, config.draft_vocab_size, refresh=refresh or stale)
+            self._measured = cost_model_for(self.stack, self.heads, key["draft_vocab_size"], refresh or stale, compiled)
         return self._measured
 
     def warm_up(self, new_tokens: int = 8) -> None:
@@ -469,7 +470,9 @@ class EarlyExitRouter:
             try:
                 ids = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4]], device=self.stack.device) % self.stack.vocab_size
                 self.generate(ids, new_tokens, mode="verify", do_sample=False)
-                warm_widths(self.stack, chunk_widths(self.config, self.costs))
+                warm_widths(self.stack, widths := chunk_widths(self.config, self.costs))
+                if self.config.compile:  # the graphs too: a decode would compile each at its first use
+                    warm_passes(self.stack, widths)
             finally:
                 self._ngram_store, self.last_stats = store, last
 

@@ -63,7 +63,7 @@ def _deterministic_costs(request, monkeypatch):
     from early_exit_router import api as router_module
     from early_exit_router.routing.costs import CostModel
 
-    def flat(stack, heads, draft_vocab_size, refresh=False):
+    def flat(stack, heads, draft_vocab_size, refresh=False, compile=False):
         return CostModel.synthetic(stack.num_layers, [1.0] * 16, [6.0] * 16, draft_head_ms=0.1)
 
     monkeypatch.setattr(router_module, "cost_model_for", flat)

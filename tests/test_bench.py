@@ -721,3 +721,25 @@ def test_hf_compiled_arm_runs_hf_static_cache_compiled_and_reports_speedups_over
         )
     assert "vs HF compiled" in result.markdown()
     assert router.model is model
+
+
+def test_a_compiled_arm_is_prepared_and_warmed_up_with_the_compute_meter_off(monkeypatch):
+    """The compute meter's hooks would be traced into a graph and compile it again at every count: a compiled arm's
+    cost table (measured on its graphs) and its warm-up run with them removed, the eager arms' with them."""
+    from early_exit_router.bench import bench as bench_module
+
+    router = tiny_router(1)
+    seen = []
+    prepare = bench_module._Runner.prepare
+
+    def watched(self, arm):
+        seen.append((arm.compiled, any(layer._forward_pre_hooks for layer in self.router.stack.layers)))
+        return prepare(self, arm)
+
+    monkeypatch.setattr(bench_module._Runner, "prepare", watched)
+    cfg = BenchConfig(modes=("verify",), thresholds=(), fixed_cascade=False, prompt_lookup_num_tokens=0,
+                      assistant_early_exit=(), hf_compiled=False, max_new_tokens=6, repeats=1)  # fmt: skip
+    result = run_bench(router, PROMPTS[:1], cfg, progress=False)
+    assert {compiled for compiled, _ in seen} == {True, False}
+    assert all(hooks != compiled for compiled, hooks in seen)
+    assert all(row["identical"] == row["runs"] for row in result.summary)

@@ -574,7 +574,12 @@ def test_a_table_the_decoders_steps_do_not_fit_is_measured_again(monkeypatch):
 
     slow = CostModel.synthetic(6, [100.0] * 16, [600.0] * 16)  # predicts a 1.2 s step; the tiny model takes ~1 ms
     asked = []
-    monkeypatch.setattr(api, "cost_model_for", lambda *a, refresh=False: asked.append(refresh) or slow)
+
+    def measured(stack, heads, vocab, refresh=False, compile=False):
+        asked.append(refresh)
+        return slow
+
+    monkeypatch.setattr(api, "cost_model_for", measured)
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], active_exit_layers=[], ngram_tier=False)
     router.generate(prompt(0), max_new_tokens=40, mode="verify")
     assert asked == [False] and slow.stale  # 39 plain steps, each far below the table's

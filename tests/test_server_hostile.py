@@ -619,7 +619,7 @@ class _Steady(CostModel):
 def test_the_cost_table_is_measured_at_start_up_and_never_by_a_request(smol, monkeypatch):
     calls: list[int] = []
 
-    def measure(stack, heads, draft_vocab_size, refresh=False):
+    def measure(stack, heads, draft_vocab_size, refresh=False, compile=False):
         calls.append(draft_vocab_size)
         table = _Steady.synthetic(stack.num_layers, [1.0] * 16, [6.0] * 16, draft_head_ms=0.1)
         table.key = cost_key(stack, draft_vocab_size)  # as a measured table is keyed: what it depends on

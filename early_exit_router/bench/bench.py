@@ -62,6 +62,7 @@ from early_exit_router.bench.summary import RunRecord, summarize
 from early_exit_router.bench.timing import ArrivalStreamer, latencies, peak_memory_mb, reset_peak_memory
 from early_exit_router.heads.checkpoint import base_identity
 from early_exit_router.models import _compat
+from early_exit_router.models.compiled import WIDTHS, warm_passes
 from early_exit_router.routing.costs import cpu_model
 
 
@@ -81,13 +82,13 @@ class _Runner:
         """Before a run, outside its time and compute: under the cost policy the cost table is measured (or loaded)
         here, not inside a router run (before the first, and again when the timed steps no longer fit it: the
         machine's load changed); heads compared with the bench router's take its table (their own `cost_model`,
-        which the bench restores)."""
+        which the bench restores). A compiled arm's table is the compiled passes' own."""
         if arm.kind != "router" or self.router.config.policy != "cost":
             return
         if self.costs_from is None:
-            self.router.costs()
+            self.router.costs(config=self.router.config.replace(**arm.overrides))
         else:
-            self.router.cost_model = self.costs_from.costs()
+            self.router.cost_model = self.costs_from.costs(config=self.costs_from.config.replace(**arm.overrides))
 
     def run(
         self, arm: Arm, ids: torch.Tensor, keep_store: bool = False, seed: int = 0
@@ -209,9 +210,11 @@ def run_bench(
             if cfg.warmup:  # first-call allocations (and compilation) stay out of the numbers
                 longest = max(encoded, key=lambda ids: ids.shape[1])  # compiled passes: the static length of the run
                 for arm in arms:
-                    runners[arm.heads].prepare(arm)
                     with meters[arm.heads].paused() if arm.compiled else nullcontext():
+                        runners[arm.heads].prepare(arm)  # a compiled arm's cost table is measured on its graphs
                         runners[arm.heads].run(arm, longest if arm.compiled else encoded[0][:, :8])
+                        if arm.compiled and arm.kind == "router":  # widths the warm-up's decode did not run
+                            warm_passes(runners[arm.heads].router.stack, WIDTHS)
             bar = tqdm(total=cfg.repeats * len(prompts) * len(arms), disable=not progress, desc="bench", unit="run")
             for repeat in range(cfg.repeats):
                 for u_idx, unit in enumerate(units):
@@ -243,7 +246,8 @@ def _measure(
     runner: _Runner, arm: Arm, item: dict, ids: torch.Tensor, repeat: int, meter: ComputeMeter, call: int = 0
 ) -> RunRecord:
     """One run; `call` > 0: a later call of a sequence (the router keeps its n-gram store from the earlier ones)."""
-    runner.prepare(arm)
+    with meter.paused() if arm.compiled else nullcontext():
+        runner.prepare(arm)
     reset_peak_memory(runner.device)
     meter.reset()
     seed = zlib.crc32(f"{item['id']}:{repeat}".encode())  # the same for every arm

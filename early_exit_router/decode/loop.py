@@ -57,6 +57,7 @@ from early_exit_router.decode.stats import (
     GenerationStats,
     PassCounters,
     RowCounters,
+    compiled_seconds,
     decode_stats,
 )
 from early_exit_router.decode.stopping import DecodeRequest, StreamFrontier
@@ -190,7 +191,8 @@ class Decoder(DecodeState):
             prompt = ids[k][mask[k].bool()].tolist()
             frontier = StreamFrontier(request, prompt)
             row = Row(request, selector, prompt, len(prompt), n, ids[k : k + 1], RowCounters.for_tiers(tiers),
-                      frontier, started=started, noise=noises[k][0], noise_row=noises[k][1])  # fmt: skip
+                      frontier, started=started, noise=noises[k][0], noise_row=noises[k][1],
+                      compiling_from=compiled_seconds(self.stack))  # fmt: skip
             self.rows.append(row)
         positions = self.slots.positions(0, n)
         hidden = self.fill.prefill(self.stack.embed(ids, positions=positions), positions, self.slots.attention_mask(n))

@@ -77,6 +77,7 @@ class Row:
     done: bool = False
     started: float = field(default_factory=time.perf_counter)
     prefill_s: float = 0.0
+    compiling_from: float = 0.0  # the stack's compile seconds when the row started (`compiled_seconds`)
     ended: float | None = None
     # The suffix drafter's view of this context for the gates: (context length, the token it would copy or -1).
     ngram_memo: tuple[int, int] = (-1, -1)

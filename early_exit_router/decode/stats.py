@@ -64,6 +64,7 @@ class GenerationStats:
     threshold_shift: float = 0.0  # where the threshold controller left both confidence thresholds (0: off)
     wall_time_s: float = 0.0
     prefill_s: float = 0.0
+    compile_s: float = 0.0  # of wall_time_s, compiling graphs (a pass shape's first use in this process: compile)
     tokens_per_s: float = 0.0  # new_tokens / wall_time_s
     decode_tokens_per_s: float = 0.0  # new tokens after the first / (wall_time_s - prefill_s)
     routing_overhead: float = 0.0  # share of wall time spent in routing decisions (gates, signals, their sync)
@@ -111,7 +112,9 @@ class GenerationStats:
             + [
                 f"mode {self.mode}: {self.new_tokens} new tokens in {self.wall_time_s:.2f} s "
                 f"({self.tokens_per_s:.1f} tok/s; decode {self.decode_tokens_per_s:.1f} tok/s; "
-                f"prefill {self.prefill_s * 1000:.0f} ms)",
+                f"prefill {self.prefill_s * 1000:.0f} ms"
+                + (f"; compiling graphs {self.compile_s:.1f} s, once" if self.compile_s else "")
+                + ")",
                 f"exit histogram: {hist}",
                 f"hit rate {self.hit_rate:.3f}; "
                 + (f"{quality}; {self._repairs()}; " if self.mode == "exit" else "")
@@ -386,6 +389,7 @@ def combined_stats(rows: list[GenerationStats], one_after_another: bool = False)
         min_rolling_agreement=longest.min_rolling_agreement,  # one monitor watches the batch
         wall_time_s=wall,
         prefill_s=longest.prefill_s,
+        compile_s=max(r.compile_s for r in rows),
         tokens_per_s=new / wall if wall > 0 else 0.0,
         decode_tokens_per_s=(new - len(rows)) / decode_s if decode_s > 0 and new > len(rows) else 0.0,
         routing_overhead=shared("routing_s") / wall if wall > 0 else 0.0,
@@ -427,6 +431,11 @@ def plain_stats(new_tokens: int, wall_s: float, num_layers: int) -> GenerationSt
     return stats
 
 
+def compiled_seconds(stack: Any) -> float:
+    """Seconds `stack`'s compiled passes have spent compiling in this process (0: none compiled)."""
+    return stack._compiled.compile_s if stack._compiled is not None else 0.0
+
+
 def decode_stats(dec: Any, row: Any) -> GenerationStats:
     """One row's `GenerationStats` from a decode's state (`state.DecodeState`) and the row's record."""
     new = len(row.output())
@@ -447,6 +456,7 @@ def decode_stats(dec: Any, row: Any) -> GenerationStats:
                       threshold_shift=dec.routing.threshold_shift,
                       policy_estimates=estimates, asks_skipped=skipped, fallback=dec.fallback)  # fmt: skip
     stats.exits_suspended = dec.routing.exits_suspended
+    stats.compile_s = compiled_seconds(dec.stack) - row.compiling_from
     fraction = dec.config.check_fraction if dec.config.check_agreement else 0.0
     if dec.mode == "exit" and new and fraction > 0:
         misses = sum(row.counters.checked) - sum(row.counters.agreed)

@@ -366,9 +366,9 @@ class LayerStack:
 
         `pad_to > q` computes that many rows (copies of the last) and returns the first q: see `run`. `precise`, on a
         bf16/fp16 head, returns float32 logits whose leading entries are the float32 product (`precise_logits.py`).
-        `compiled`: one position's head runs as a compiled graph where the passes compile (`compiled_layers`)."""
+        `compiled`: the head runs as a compiled graph where the passes compile (`compiled_layers`), `pad_to` aside."""
         q = hidden.shape[1]
-        logits = compiled_logits(self, hidden, pad_to, precise) if compiled else None
+        logits = compiled_logits(self, hidden, precise) if compiled else None
         if logits is not None:
             return logits
         normed = self.final_norm(_pad_rows(hidden, pad_to))

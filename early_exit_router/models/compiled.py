@@ -4,29 +4,38 @@ One graph per pass shape serves every group of `GROUP` consecutive decoder layer
 dynamo lifts a module's weights to graph inputs, and each layer sees its cache through a `LayerView` (its own static
 buffers, whatever index its attention passes), so no layer index reaches a graph. Compiling then costs seconds once
 per process (inductor keeps its artifacts on disk for the next), not a graph per layer range. A range's mask and
-rotary tables are one more small graph, the final norm and LM head another. The mask is HF's own
-(`_compat.build_mask` against the static cache); routing decisions stay in
-Python between graphs.
+rotary tables are one more small graph (built against a copy of the cache that holds the range's first layer alone,
+so one serves every range), the final norm and LM head another. The mask is HF's own (`_compat.build_mask` against
+the static cache); routing decisions stay in Python between graphs.
 
-Only what measured faster compiles: one position (a plain step) in float32 on a CPU, and on CUDA; wider chunks (the
-fill and verify passes) run eagerly from the prepacked weights on the same static cache.
+A chunk of up to 8 positions (a plain step, a fill, verify or tree pass) runs at the next width of `WIDTHS`, padded
+with throw-away positions after its own (the mask keeps them from the real ones, and a length update drops their
+slots again), so a few graph shapes serve every pass; where the stack has prepacked weights the graphs compute their
+products from those copies (`graph_products.py`). Wider chunks and left-padded rows run eagerly from the prepacked
+weights on the same static cache, and so does the LM head where a packed copy serves its rows (a graph only wraps its
+one product).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from early_exit_router.models import _compat
+from early_exit_router.models import _compat, graph_products
 from early_exit_router.models.precise_logits import refines
 
 logger = logging.getLogger(__name__)
 
-COMPILED_ROWS = (1,)  # positions per pass that run compiled
+# The widths passes compile at (a chunk runs at the next one up; wider ones run eagerly). Measured, a float32 SmolLM2
+# pass from the packed copies (2-core AMD host): 34.2 ms at one position, 36.8 at 2, 42.0 at 4 and 50.4 at 8, eager
+# 44.3 to 63.6; past 8 the padding costs what compiling saves (12 positions: 74.9 ms at 16 against 68.4 eagerly).
+WIDTHS = (1, 2, 4, 8)
 # Consecutive layers per graph call (a range's rest runs one layer a call): fewer calls and fusion across layers.
 # Measured, a float32 SmolLM2 step: 35.2 ms one layer a call, 30.0 in groups of 6 (12 s to compile), 30.3 of 15 (28 s).
 GROUP = 6
@@ -68,9 +77,12 @@ def compile_unsupported(stack: Any) -> str | None:
     return None
 
 
-def _range_inputs(stack: Any, hidden: torch.Tensor, cache: Any, positions: torch.Tensor, start: int) -> Any:
-    kind = stack.mask_kinds[start]
-    mask = _compat.build_mask(kind, stack.config, hidden, cache, positions, start)
+def _range_inputs(
+    stack: Any, hidden: torch.Tensor, cache: Any, positions: torch.Tensor, kind: str, tree: torch.Tensor | None
+) -> Any:
+    """A range's mask (a tree's own, `tree`, widened to the static length) and rotary tables; `cache` holds the
+    range's first layer alone (`_first_layer`), so no layer index reaches the graph and one serves every range."""
+    mask = _compat.build_mask(kind, stack.config, hidden, cache, positions, 0, tree)
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:  # as SDPA adds it, once for every layer
         mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return mask, stack._position_embeddings(hidden, positions, kind)
@@ -104,6 +116,10 @@ class CompiledLayers:
         # C++ wrappers: ~6% of a float32 step on 2 cores. No CUDA graphs yet ("reduce-overhead"): one graph serves
         # every layer, each call with other weights, which CUDA graph trees would record once per layer.
         options = {"cpp_wrapper": True} if stack.device.type == "cpu" else {}
+        # Products from the packed copies where the stack has them (else inductor's own GEMMs over the weights).
+        self._packed = stack.packed_weights if graph_products.available() else None
+        if self._packed is not None:
+            options.update(graph_products.compile_options())
         kwargs = {"fullgraph": True, "dynamic": False, "options": options}
         self._prep = torch.compile(_range_inputs, **kwargs)
         self._layers = torch.compile(_layers_pass, **kwargs)
@@ -111,45 +127,74 @@ class CompiledLayers:
         self._seen: set[tuple] = set()  # (graph, shape) pairs already compiled
 
     def serves(self, hidden: torch.Tensor, attention_mask: Any) -> bool:
-        return self.failed is None and hidden.shape[0] * hidden.shape[1] in COMPILED_ROWS and attention_mask is None
+        """Whether a pass over `hidden` runs as graphs: one sequence, a chunk `WIDTHS` holds, and no mask or a tree's
+        own (4D: left-padded rows' 2D masks need the eager pass)."""
+        tree_or_none = attention_mask is None or attention_mask.dim() == 4
+        return self.failed is None and hidden.shape[0] == 1 and bool(width_for(hidden.shape[1])) and tree_or_none
 
-    def run(self, hidden: torch.Tensor, start: int, stop: int, cache: Any, positions: torch.Tensor) -> torch.Tensor:
-        """Layers [start, stop) over `hidden` (1, q, hidden_size) at `positions`; falls back to eager passes (and
-        stays there, logged) where a graph fails to compile."""
+    def run(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        stop: int,
+        cache: Any,
+        positions: torch.Tensor,
+        tree: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Layers [start, stop) over `hidden` (1, q, hidden_size) at `positions` (under `tree`, a token tree's own
+        (1, 1, q, slots so far + q) mask), run at the width `width_for(q)` (the cache has room for it); falls back
+        to eager passes (and stays there, logged) where a graph fails to compile."""
+        q = hidden.shape[1]
+        width = width_for(q)
         views = _views(cache)
         length = cache.layers[start].max_cache_len  # the static length: part of every graph's shapes
         held = cache.layers[start].cumulative_length.clone()  # every layer of the range holds these slots
+        padded, padded_positions = _padded(hidden, positions, width)
+        # a tree's mask at the static length before the graph: its width (slots so far) would be a new shape a pass
+        padded_tree = _compat.pad_custom_mask(_padded_tree(tree, width), cache, start) if tree is not None else None
         j, size = start, 1
         try:
             # Grouped heads attend without copying the static buffers (`attention.py`): a static cache's step has
             # a mask (the unwritten slots), which makes HF's sdpa repeat every key and value head over its length.
             with torch._dynamo.config.patch(**{_LIMIT_KEY: RECOMPILE_LIMIT}), self.stack._attention(2):
-                mask, rotary = self._call(self._prep, ("range", start, length), self.stack, hidden, cache, positions,
-                                          start)  # fmt: skip
+                kind = self.stack.mask_kinds[start]
+                mask, rotary = self._call(self._prep, ("range", kind, length, width, tree is not None), self.stack,
+                                          padded, _first_layer(cache, start), padded_positions, kind,
+                                          padded_tree)  # fmt: skip
                 while j < stop:
-                    size = GROUP if stop - j >= GROUP else 1  # two graphs in all: a group, one layer
+                    size = GROUP if stop - j >= GROUP else 1  # two graphs a width: a group, one layer
                     layers, group_views = self._layers_in_order[j : j + size], tuple(views[j : j + size])
-                    hidden = self._call(self._layers, ("layers", size, length), self.stack, layers, hidden, mask,
-                                        positions, rotary, group_views)  # fmt: skip
+                    with self._products([m for k in range(j, j + size) for m in self.stack._layer_linears[k]], width):
+                        padded = self._call(self._layers, ("layers", size, length, width), self.stack, layers, padded,
+                                            mask, padded_positions, rotary, group_views)  # fmt: skip
                     j += size
         except Exception as error:  # noqa: BLE001 (any compiler failure: the eager pass is always there)
             self._fail(error)
-            for k in range(j, min(j + size, stop)):  # a graph that failed after writing: its slots again
+            for k in range(start, stop):  # this pass's slots in every layer it reached: the eager pass writes them
                 cache.layers[k].cumulative_length.copy_(held)
-            return self.stack._run(hidden, j, stop, cache, positions, None)
-        return hidden
+            return self.stack._run(hidden, start, stop, cache, positions, tree)
+        for k in range(start, stop):  # the throw-away positions' slots: a length update
+            _compat.drop_static_slots(cache.layers[k], width - q)
+        return padded[:, :q]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Final norm + LM head (+ the family's finish) over one position, or None where it does not compile."""
-        if self.failed is not None:
+        """Final norm + LM head (+ the family's finish) over (1, q) positions, q up to the widest of `WIDTHS`, or None
+        where it does not compile."""
+        width = width_for(hidden.shape[1]) if hidden.shape[0] == 1 else None
+        if self.failed is not None or width is None:
             return None
+        padded = _padded(hidden, None, width)[0]
         try:
-            with torch._dynamo.config.patch(**{_LIMIT_KEY: RECOMPILE_LIMIT}):
-                # a fresh tensor: a prefill's last row keeps the prompt's stride, a guard that would fail per length
-                return self._call(self._head, ("head",), self.stack, hidden.new_empty(hidden.shape).copy_(hidden))
+            limit = torch._dynamo.config.patch(**{_LIMIT_KEY: RECOMPILE_LIMIT})
+            with limit, self._products((self.stack.lm_head,), width):
+                return self._call(self._head, ("head", width), self.stack, padded)[:, : hidden.shape[1]]
         except Exception as error:  # noqa: BLE001
             self._fail(error)
             return None
+
+    def _products(self, linears: Sequence[nn.Module], rows: int) -> Any:
+        """The scope in which the graphs over `linears` take their products from the packed copies."""
+        return graph_products.products_from_packed(self._packed, linears, rows)
 
     def _call(self, graph: Any, shape: tuple, *args: Any) -> Any:
         """Call a compiled function, timing (and announcing, once) a first call of a new `shape`: the compile."""
@@ -170,12 +215,57 @@ class CompiledLayers:
         logger.warning("early-exit-router: compiled passes failed (%s); eager passes from now on", self.failed)
 
 
+def width_for(q: int) -> int | None:
+    """The width a chunk of q positions compiles at: the narrowest of `WIDTHS` that holds it (None: none does)."""
+    return next((width for width in WIDTHS if width >= q), None)
+
+
+def _padded(hidden: torch.Tensor, positions: torch.Tensor | None, width: int) -> tuple[torch.Tensor, Any]:
+    """(1, q, hidden) states and (1, q) positions -> fresh (1, width, ...) tensors: throw-away copies of the last
+    state, at the positions after the last. Fresh, even at q == width: a slice of a longer tensor (a prompt's last
+    row) keeps its strides, which a graph's guards would take for a new shape."""
+    extra = width - hidden.shape[1]
+    hidden = torch.cat([hidden, hidden[:, -1:].expand(-1, extra, -1)], dim=1)
+    if positions is not None:
+        steps = torch.arange(1, extra + 1, device=positions.device).unsqueeze(0)
+        positions = torch.cat([positions, positions[:, -1:] + steps], dim=1)
+    return hidden, positions
+
+
+def _padded_tree(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """A tree's (1, 1, q, slots so far + q) mask for a pass at `width`: the throw-away positions' rows and slots
+    appended, where no real position sees them and each of them sees every slot up to its own (causally, as a
+    padded plain chunk's do: no row is all blocked)."""
+    q, slots = mask.shape[2], mask.shape[3]
+    extra = width - q
+    allowed, blocked = (True, False) if mask.dtype == torch.bool else (0.0, torch.finfo(mask.dtype).min)
+    columns = mask.new_full((*mask.shape[:3], extra), blocked)
+    own = slots + torch.arange(extra, device=mask.device)  # each throw-away position's own slot
+    causal = torch.arange(slots + extra, device=mask.device)[None, :] <= own[:, None]  # (extra, slots + extra)
+    rows = torch.where(causal, allowed, blocked).to(mask.dtype)[None, None]
+    return torch.cat([torch.cat([mask, columns], dim=-1), rows], dim=2)
+
+
+def _first_layer(cache: Any, start: int) -> Any:
+    """A shallow copy of the static `cache` whose only layer is its layer `start` (what a range's mask is sized
+    against): the mask graph then sees no layer index."""
+    view = copy.copy(cache)
+    view.layers = [cache.layers[start]]
+    return view
+
+
 def _views(cache: Any) -> list[LayerView]:
     """The per-layer views of `cache`, made once per cache."""
     views = getattr(cache, "_layer_views", None)
     if views is None or [v.layer for v in views] != cache.layers:  # identity: layers define no __eq__
         views = cache._layer_views = [LayerView(layer) for layer in cache.layers]
     return views
+
+
+def compiles_here(stack: Any) -> bool:
+    """Whether `stack`'s passes run as graphs when a config asks (they compile here and none has failed)."""
+    compiled = compiled_layers(stack)
+    return compiled is not None and compiled.failed is None
 
 
 def compiled_layers(stack: Any) -> CompiledLayers | None:
@@ -196,22 +286,60 @@ def run_range(
 ) -> torch.Tensor:
     """`LayerStack._run`, as graphs where the cache is static and the pass's shape compiles (room made first)."""
     if start < stop and _compat.is_static(cache):
-        _compat.make_room(cache, start, _compat.static_held(cache, start) + hidden.shape[1])
+        room = width_for(hidden.shape[1]) or hidden.shape[1]  # a compiled pass writes its throw-away slots too
+        _compat.make_room(cache, start, _compat.static_held(cache, start) + room)
         compiled = compiled_layers(stack)
         if compiled is not None:  # a grown cache: later decodes start at its length (its graphs are compiled)
             compiled.static_slots = max(compiled.static_slots, cache.layers[start].max_cache_len)
         if compiled is not None and compiled.serves(hidden, attention_mask):
-            return compiled.run(hidden, start, stop, cache, positions)
+            return compiled.run(hidden, start, stop, cache, positions, attention_mask)
     return stack._run(hidden, start, stop, cache, positions, attention_mask)
 
 
-def compiled_logits(stack: Any, hidden: torch.Tensor, pad_to: int, precise: bool) -> torch.Tensor | None:
-    """One position's final norm + LM head as a graph, or None where it does not run compiled (a float32 refinement
-    of a bf16 head's leading logits stays eager)."""
-    if hidden.shape[0] * hidden.shape[1] != 1 or pad_to > 1 or (precise and refines(stack.lm_head)):
+def compiled_logits(stack: Any, hidden: torch.Tensor, precise: bool) -> torch.Tensor | None:
+    """A chunk's final norm + LM head as a graph, or None where it runs eagerly: from a packed copy of the head that
+    serves its rows (one product, which a graph only wraps: measured, 5.3 ms compiled against 4.9 eagerly at one row
+    on the AMD host), or as a float32 refinement of a bf16 head's leading logits."""
+    packed, rows = stack.packed_weights, hidden.shape[0] * hidden.shape[1]
+    if (packed is not None and packed.holds(stack.lm_head) and packed.serves(rows)) or (
+        precise and refines(stack.lm_head)
+    ):
         return None
     compiled = compiled_layers(stack)
     return None if compiled is None else compiled.logits(hidden)
+
+
+@torch.inference_mode()
+def warm_passes(stack: Any, widths: Iterable[int]) -> None:
+    """Compile now what decodes at the static length in use will run at each width of `WIDTHS` that chunks of
+    `widths` positions run at: a range's mask (and a tree's), a group of layers, a single layer and the LM head
+    (announced, then timed; inductor's disk cache makes a later process's compile quicker)."""
+    compiled = compiled_layers(stack)
+    if compiled is None or compiled.failed is not None or not compiled.static_slots:
+        return
+    shapes = sorted({w for w in map(width_for, widths) if w is not None})
+    cache = stack.new_cache(compiled.static_slots)
+    if cache is None:
+        return
+    first = torch.zeros(1, 1, stack.hidden_size, dtype=stack.dtype, device=stack.device)
+    stack._run(first, 0, stack.num_layers, cache, torch.zeros(1, 1, dtype=torch.long, device=stack.device))  # buffers
+    for layer in cache.layers:  # empty again: a tree's mask below covers its own slots alone
+        _compat.drop_static_slots(layer, 1)
+    compiled._announced = True  # this line says it
+    logger.warning("early-exit-router: compiling the decode passes at %d widths (once per process; inductor caches "
+                   "them on disk)", len(shapes))  # fmt: skip
+    before = compiled.compile_s
+    for width in shapes:
+        hidden = first.expand(1, width, -1)
+        positions = torch.arange(1, width + 1, device=stack.device).unsqueeze(0)
+        causal = torch.ones(1, width, width, dtype=torch.bool, device=stack.device).tril()
+        tree = _compat.tree_attention_mask(stack.config, causal, stack.dtype)  # a tree pass's mask graph
+        for stop, mask in ((stack.num_layers, None), (1, None), (1, tree)):  # groups of layers, one layer, a tree
+            compiled.run(hidden, 0, stop, cache, positions, mask)
+            for layer in cache.layers[:stop]:
+                _compat.drop_static_slots(layer, width)
+        compiled.logits(hidden)
+    logger.warning("early-exit-router: compiled in %.0f s", compiled.compile_s - before)
 
 
 _said: set[str] = set()

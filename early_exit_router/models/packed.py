@@ -247,6 +247,29 @@ class PackedLinears:
             self._latest[:] = [None, None, -1, None]
             self._owner[0] = outer
 
+    def graph_copies(self, modules: Iterable[nn.Module], rows: int) -> Iterator[tuple]:
+        """For each of `modules` a packed copy serves at `rows` rows (packed again where its weight changed):
+        (module, copy, weight, bias, its columns of a stacked product or None): what a compiled graph's product
+        takes (`graph_products.py`)."""
+        for module in modules:
+            entry = self._entries.get(id(module))
+            if entry is None or "forward" in module.__dict__:
+                continue
+            weight = module._parameters.get("weight")
+            if weight is None or weight._version != entry.version or weight.data_ptr() != entry.data_ptr:
+                entry = self._repack(module, entry.rows)
+            if entry is None or not entry.kernel.min_rows <= rows <= (entry.kernel.max_rows or rows):
+                continue
+            copy = next(iter(entry.packed.values())) if entry.kernel.any_rows else entry.packed.get(rows)
+            if copy is None:
+                continue
+            group = entry.group
+            if group is None:
+                yield module, copy, module.weight, module.bias, None
+            else:
+                columns = group.bounds[group.members.index(module)]
+                yield module, copy, group.weight, group.bias, columns
+
     def _repack(self, module: nn.Module, rows: tuple[int, ...]) -> _Packed | None:
         """The weight changed in place or moved since it was packed: pack it again (or stop packing it), with the
         rest of its group where it has one."""

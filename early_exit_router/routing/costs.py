@@ -36,10 +36,11 @@ from typing import Any
 
 import torch
 
+from early_exit_router.models.compiled import GROUP, WIDTHS, compiles_here
 from early_exit_router.models.kernels import rising_within
 from early_exit_router.routing.cpu_load import other_work_share, read_cpu
 
-COST_FORMAT_VERSION = 3  # 3: a fixed set of chunk lengths; 2: interleaved measurement rounds and a timed real step
+COST_FORMAT_VERSION = 4  # 4: keyed by compiled widths; 3: fixed chunk lengths; 2: interleaved rounds, a real step
 PAD_MIN_GAIN = 0.15  # pad a chunk only when the padded length is measured at least this much cheaper
 MEASURED_CHUNKS = (*range(1, 17), 24, 32, 48, 64)  # chunk lengths timed: dense where drafts live, sparse beyond
 # A consistent table: a longer chunk costs at least this share of one position, and a timed real step lies within
@@ -280,9 +281,10 @@ def cpu_model() -> str:
     return platform.processor() or "cpu"
 
 
-def cost_key(stack: Any, draft_vocab_size: int) -> dict[str, Any]:
+def cost_key(stack: Any, draft_vocab_size: int, compile: bool = False) -> dict[str, Any]:
     """What the measured costs depend on: the model's shape, the device (`device_name`), dtype, threads and library
-    versions, and the draft head's size; no per-call option (a request's `max_pending` never starts a measurement)."""
+    versions, the draft head's size, and whether passes run as compiled graphs (`compile`, where they compile here:
+    `compiles_here`); no other per-call option (a request's `max_pending` never starts a measurement)."""
     import transformers
 
     from early_exit_router._version import __version__
@@ -311,6 +313,7 @@ def cost_key(stack: Any, draft_vocab_size: int) -> dict[str, Any]:
         "library": __version__,
         "draft_vocab_size": draft_vocab_size,
         "chunks": list(MEASURED_CHUNKS),
+        "compiled": list(WIDTHS) if compile and compiles_here(stack) else [],  # the widths passes compile at
     }
 
 
@@ -371,6 +374,7 @@ def measure(
     reps: int = 3,
     rounds: int = 3,
     probe_layers: int = 4,
+    compile: bool = False,
 ) -> CostModel:
     """Time `probe_layers` decoder layers at each of the chunk lengths `chunks` over a cache of `context` positions,
     the full head at as many rows, one draft-head row and one gate call. Layers of one model share their shape, so a
@@ -378,7 +382,10 @@ def measure(
 
     The chunk lengths are swept `rounds` times, interleaved, and each entry is the median of its rounds' medians:
     a transient slowdown (another process, a kernel's first call at a new shape) then spoils one round of a few
-    entries, not the table. A real plain decoding step is timed in every round too, as a check (`problems`)."""
+    entries, not the table. A real plain decoding step is timed in every round too, as a check (`problems`).
+
+    `compile` (where passes compile here): every pass over a static cache as a compiled decode runs it (as graphs at
+    the width a chunk pads to), so the policy prices what will run; each entry's untimed first call compiles."""
     from early_exit_router.heads.adapters import needs_context
     from early_exit_router.heads.draft import draft_logits
     from early_exit_router.heads.gates import gate_probability
@@ -386,13 +393,14 @@ def measure(
 
     device, dtype, hidden = stack.device, stack.dtype, stack.hidden_size
     timed = _timer(device, reps)
-    count = min(probe_layers, stack.num_layers)
     generator = torch.Generator(device="cpu").manual_seed(0)
 
     def states(m: int) -> torch.Tensor:
         return (torch.randn(1, m, hidden, generator=generator) * 0.5).to(device=device, dtype=dtype)
 
-    cache = stack.new_cache()
+    compiled = compile and compiles_here(stack)
+    count = min(GROUP if compiled else probe_layers, stack.num_layers)  # compiled: one group's graph, as decodes run
+    cache = stack.new_cache(context + max(chunks)) if compiled else stack.new_cache()
     prepare_for_rollback(cache)  # sliding-window layers: keep evicted states so the crops below can undo a chunk
     stack.run(states(context), 0, stack.num_layers, cache, torch.arange(context, device=device).unsqueeze(0))
 
@@ -414,8 +422,10 @@ def measure(
         for k, m in enumerate(chunks):
             x, positions = chunk(m)
             layer_rounds[k].append(timed(lambda x=x, p=positions: run_and_undo(x, p, count)) / count)
-            head_rounds[k].append(timed(lambda x=x: stack.logits(x)))
-        step_rounds.append(timed(lambda: (run_and_undo(x1, positions1, stack.num_layers), stack.logits(x1))))
+            head_rounds[k].append(timed(lambda x=x: stack.logits(x, compiled=compiled)))
+        step_rounds.append(
+            timed(lambda: (run_and_undo(x1, positions1, stack.num_layers), stack.logits(x1, compiled=compiled)))
+        )
     # Through one packed copy a longer chunk never costs less: fit out the noise that would pad passes to one.
     packed = stack.packed_weights
     span = packed.served_span if packed is not None else None
@@ -435,16 +445,18 @@ def measure(
     if gate is not None:  # a head gate also reads the head's output: time it with the features it computes
         logits = draft_logits(stack, adapter, draft, row)
         gate_ms = timed(lambda: gate_probability(gate, row, None, logits, None, draft))
-    key = cost_key(stack, draft_vocab_size)
+    key = cost_key(stack, draft_vocab_size, compile)
     return CostModel(layer_ms, head_ms, draft_ms, gate_ms, stack.num_layers, key, context, real_step_ms, list(chunks))
 
 
-def cost_model_for(stack: Any, heads: Any, draft_vocab_size: int, refresh: bool = False, tries: int = 2) -> CostModel:
+def cost_model_for(
+    stack: Any, heads: Any, draft_vocab_size: int, refresh: bool = False, compile: bool = False, tries: int = 2
+) -> CostModel:
     """The cached cost model for this model and device; when missing (or implausible, or measured busy fewer than
     BUSY_RETRIES times in a row), measured (a few seconds, said in one log line) and cached. A table that still has
     problems after `tries` measurements is kept for this process only, and decoders do not draft from it
-    (`CostModel.problems`)."""
-    key = cost_key(stack, draft_vocab_size)
+    (`CostModel.problems`). `compile`: the table of the compiled passes (`measure`)."""
+    key = cost_key(stack, draft_vocab_size, compile)
     cached = None if refresh else load_cached(key)
     busy_before = cached.busy_measurements if cached is not None else 0
     wrong = cached is not None and bool(cached.problems())
@@ -463,7 +475,7 @@ def cost_model_for(stack: Any, heads: Any, draft_vocab_size: int, refresh: bool 
             path,
         )
         before = read_cpu()
-        model = measure(stack, heads, draft_vocab_size)
+        model = measure(stack, heads, draft_vocab_size, compile=compile)
         busy = other_work_share(before, read_cpu())
         found = model.problems()
         if not found and busy is not None and busy > BUSY_SHARE:

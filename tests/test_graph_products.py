@@ -1,0 +1,158 @@
+"""Compiled passes at padded widths, their products from the stack's packed copies (`graph_products.py`): the
+same states and cache as an eager pass, one product per stacked group, and the model left exactly as it was."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from early_exit_router.models import _compat, graph_products, kernels
+from early_exit_router.models import packed as packed_module
+from early_exit_router.models.compiled import WIDTHS, width_for
+
+from .conftest import assert_cache_matches_full_forward, assert_same_model, model_fingerprint, tiny_llama
+from .test_compiled import compiled_router
+from .test_token_trees import repetitive_prompt
+
+pytestmark = pytest.mark.skipif(not graph_products.available(), reason="this torch runs no packed products in graphs")
+
+
+@pytest.fixture
+def counted_products(monkeypatch):
+    """The float32 kernel packing even tiny weights, and a list counting its products (the rows of each)."""
+    kernel = kernels.float32_kernel()
+    if kernel is None:
+        pytest.skip("this torch build has no float32 packed product")
+    monkeypatch.setitem(packed_module.MIN_ELEMENTS, torch.float32, 0)
+    calls = []
+
+    def counted(x, packed, weight, bias, rows):
+        calls.append(rows)
+        return kernel.product(x, packed, weight, bias, rows)
+
+    monkeypatch.setattr(kernels, "float32_kernel", lambda: dataclasses.replace(kernel, product=counted, min_rows=1))
+    return calls
+
+
+def test_a_chunk_runs_at_the_next_width_and_its_throw_away_slots_are_dropped():
+    assert [width_for(q) for q in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
+    assert WIDTHS[0] == 1
+
+
+def test_a_compiled_pass_takes_one_product_per_stacked_group_from_the_packed_copies(counted_products):
+    model = tiny_llama(0)
+    before = model_fingerprint(model)
+    router = compiled_router(model)
+    stack = router.stack
+    assert stack.packed_weights is not None and stack.packed_weights.groups > 0
+    context, q = 10, 3  # runs at width 4: one throw-away position
+    states = torch.randn(1, context + q, stack.hidden_size, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(context + q).unsqueeze(0)
+    static, dynamic = stack.new_cache(context + q), stack.new_cache()
+    with torch.inference_mode():
+        for cache in (static, dynamic):
+            stack._run(states[:, :context], 0, stack.num_layers, cache, positions[:, :context])
+        want = stack._run(states[:, context:], 0, stack.num_layers, dynamic, positions[:, context:])
+        counted_products.clear()
+        got = stack.run(states[:, context:], 0, stack.num_layers, static, positions[:, context:])
+        # query+key+value and gate+up are stacked: 4 products a layer, not 7, each over the padded width
+        assert counted_products == [width_for(q)] * (4 * stack.num_layers)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+        assert all(_compat.static_held(static, j) == context + q for j in range(stack.num_layers))
+        for j in range(stack.num_layers):  # the throw-away position's slots are not the cache's
+            for mine, theirs in zip(static.layers[j].keys[:, :, : context + q], dynamic.layers[j].keys):
+                assert torch.allclose(mine, theirs, atol=1e-5, rtol=1e-5)
+        counted_products.clear()
+        logits = stack.logits(got, compiled=True)
+        assert counted_products == [q]  # the LM head runs eagerly from its packed copy: a graph only wraps it
+        assert torch.allclose(logits, stack.logits(want), atol=1e-5, rtol=1e-5)
+    for module in model.modules():  # nothing of the graphs' scope stays on the model
+        assert "forward" not in module.__dict__ and "_eer_packed" not in module._buffers
+    assert router.unpatch() is model
+    assert_same_model(before, model_fingerprint(model))
+
+
+def test_verify_mode_through_packed_graph_products_keeps_the_contract(counted_products):
+    model = tiny_llama(1)
+    ids = repetitive_prompt(1)
+    ref = model.generate(ids, max_new_tokens=32, do_sample=False)
+    router = compiled_router(model, ngram_draft=6, ngram_tree_nodes=6, max_pending=6)  # passes up to 8 positions
+    counted_products.clear()
+    out = router.generate(ids, max_new_tokens=32, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    widths = set(counted_products)  # the prompt's eager pass aside, products over the widths passes compile at
+    assert 1 in widths and any(width in widths for width in WIDTHS[1:])
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_a_module_called_eagerly_while_a_graph_holds_its_copy_runs_its_own_forward(counted_products):
+    model = tiny_llama(0)
+    router = compiled_router(model)
+    linear = router.stack._layer_linears[0][0]
+    x = torch.randn(1, 2, linear.in_features)
+    with graph_products.products_from_packed(router.stack.packed_weights, [linear], 2):
+        assert "_eer_packed" in linear._buffers and "_eer_packed" not in linear.state_dict()
+        counted_products.clear()
+        assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))  # another thread's eager call
+        assert counted_products == []
+    assert "forward" not in linear.__dict__ and "_eer_packed" not in linear._buffers
+
+
+def test_warmed_passes_leave_a_decode_nothing_to_compile_and_stats_say_what_one_compiled():
+    from early_exit_router.models.compiled import warm_passes
+
+    model = tiny_llama(2)
+    router = compiled_router(model)
+    first = router.generate(repetitive_prompt(2), max_new_tokens=16, mode="verify")
+    assert first.stats.compile_s > 0 and "compiling graphs" in first.stats.summary()
+    compiled = router.stack.compiled_layers()
+    warm_passes(router.stack, range(1, 17))
+    shapes = set(compiled._seen)
+    assert {key[-1] for key in shapes if key[0] == "head"} == set(WIDTHS)
+    assert {key[3] for key in shapes if key[0] == "range" and key[-1]} == set(WIDTHS)  # tree passes' mask graphs
+    ids = repetitive_prompt(3)
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    later = router.generate(ids, max_new_tokens=24, mode="verify")
+    assert torch.equal(later.sequences, ref)
+    assert later.stats.compile_s == 0 and compiled._seen == shapes
+    assert "compiling graphs" not in later.stats.summary()
+
+
+def test_the_compiled_decodes_cost_table_is_measured_on_the_compiled_passes(monkeypatch):
+    from early_exit_router import api
+    from early_exit_router.routing import costs
+
+    router = compiled_router(tiny_llama(0))
+    eager_key, compiled_key = costs.cost_key(router.stack, 0), costs.cost_key(router.stack, 0, compile=True)
+    assert not eager_key["compiled"] and compiled_key["compiled"]
+    assert costs.cache_path(eager_key) != costs.cache_path(compiled_key)
+    table = costs.measure(router.stack, router.heads, 0, chunks=(1, 2, 3, 8, 16), reps=1, rounds=1, compile=True)
+    assert table.key == compiled_key and len(table.layer_ms) == 5
+    seen = router.stack.compiled_layers()._seen
+    assert {key[-1] for key in seen if key[0] == "layers"} == {1, 2, 4, 8}  # 16 positions run eagerly
+    assert {key[-1] for key in seen if key[0] == "head"} == {1, 2, 4, 8}  # no packed copy: the head as a graph
+    # a call whose config compiles decides from that table, another from the eager passes'
+    asked = []
+    monkeypatch.setattr(api, "cost_model_for", lambda *args: asked.append(args[-1]) or table)
+    router.cost_model = None
+    for compile in (True, False):
+        router.costs(config=router.config.replace(compile=compile))
+    assert asked == [True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_a_trees_mask_padded_to_its_width_hides_the_throw_away_positions_from_the_real_ones(dtype):
+    from early_exit_router.models.compiled import _padded_tree
+
+    allowed = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)  # 2 slots, 3 nodes
+    mask = _compat.tree_attention_mask(type("C", (), {"_attn_implementation": "sdpa"})(), allowed[None])
+    if dtype != torch.bool:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(dtype).min)
+    padded = _padded_tree(mask, 4)[0, 0]
+    seen = padded if dtype == torch.bool else padded == 0
+    assert padded.shape == (4, 6) and padded.dtype == dtype
+    assert torch.equal(seen[:3, :5], allowed) and not seen[:3, 5].any()  # the real rows: as they were, no pad slot
+    assert torch.equal(seen[3], torch.ones(6, dtype=torch.bool))  # the pad: every slot up to its own
