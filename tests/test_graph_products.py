@@ -101,6 +101,7 @@ def test_a_module_called_eagerly_while_a_graph_holds_its_copy_runs_its_own_forwa
     assert "forward" not in linear.__dict__ and "_eer_packed" not in linear._buffers
 
 
+@pytest.mark.slow  # compiles every width: about a minute on 2 cores with a cold inductor cache
 def test_warmed_passes_leave_a_decode_nothing_to_compile_and_stats_say_what_one_compiled():
     from early_exit_router.models.compiled import warm_passes
 

@@ -317,7 +317,7 @@ def head(dec: DecodeState, hidden: torch.Tensor) -> torch.Tensor:
 
     Non-finite logits (an fp16 overflow, typically) would otherwise be argmaxed into garbage silently."""
     pad_to = dec.costs.head_pad(hidden.shape[1]) if dec.costs is not None and len(dec.rows) == 1 else 0
-    compiled = _compat.is_static(dec.fill.cache)  # a compiled decode: its head is a graph too
+    compiled = _compat.is_static(dec.fill.cache)  # a compiled decode: its head may be a graph (`compiled_logits`)
     logits = dec.stack.logits(hidden, pad_to, precise=dec.config.precise_logits, compiled=compiled)
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError(

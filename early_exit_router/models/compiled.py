@@ -39,10 +39,18 @@ WIDTHS = (1, 2, 4, 8)
 # Consecutive layers per graph call (a range's rest runs one layer a call): fewer calls and fusion across layers.
 # Measured, a float32 SmolLM2 step: 35.2 ms one layer a call, 30.0 in groups of 6 (12 s to compile), 30.3 of 15 (28 s).
 GROUP = 6
-# Graphs per compiled function: one per range start (mask graphs) and static length; dynamo's default of 8 would fall
-# back to eager without a word once a model with several exits had used them up.
-RECOMPILE_LIMIT = 64
-_LIMIT_KEY = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"  # < 2.7
+# Graphs per compiled function (dynamo counts them per function, for every model of the process): one per width,
+# layer-group size, static length and model; dynamo's default of 8 (256 over all functions) would fail the passes
+# of the second or third model a process compiles (the family sweep in the tests runs 27).
+RECOMPILE_LIMIT, ALL_GRAPHS_LIMIT = 1024, 8192
+_LIMITS = {  # the names before torch 2.7: cache_size_limit, accumulated_cache_size_limit
+    next(key for key in (new, old) if hasattr(torch._dynamo.config, key)): limit
+    for new, old, limit in (
+        ("recompile_limit", "cache_size_limit", RECOMPILE_LIMIT),
+        ("accumulated_recompile_limit", "accumulated_cache_size_limit", ALL_GRAPHS_LIMIT),
+    )
+    if hasattr(torch._dynamo.config, new) or hasattr(torch._dynamo.config, old)
+}
 
 
 class LayerView:
@@ -156,7 +164,7 @@ class CompiledLayers:
         try:
             # Grouped heads attend without copying the static buffers (`attention.py`): a static cache's step has
             # a mask (the unwritten slots), which makes HF's sdpa repeat every key and value head over its length.
-            with torch._dynamo.config.patch(**{_LIMIT_KEY: RECOMPILE_LIMIT}), self.stack._attention(2):
+            with torch._dynamo.config.patch(**_LIMITS), self.stack._attention(2):
                 kind = self.stack.mask_kinds[start]
                 mask, rotary = self._call(self._prep, ("range", kind, length, width, tree is not None), self.stack,
                                           padded, _first_layer(cache, start), padded_positions, kind,
@@ -185,8 +193,7 @@ class CompiledLayers:
             return None
         padded = _padded(hidden, None, width)[0]
         try:
-            limit = torch._dynamo.config.patch(**{_LIMIT_KEY: RECOMPILE_LIMIT})
-            with limit, self._products((self.stack.lm_head,), width):
+            with torch._dynamo.config.patch(**_LIMITS), self._products((self.stack.lm_head,), width):
                 return self._call(self._head, ("head", width), self.stack, padded)[:, : hidden.shape[1]]
         except Exception as error:  # noqa: BLE001
             self._fail(error)
