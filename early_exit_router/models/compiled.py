@@ -157,7 +157,7 @@ class CompiledLayers:
         views = _views(cache)
         length = cache.layers[start].max_cache_len  # the static length: part of every graph's shapes
         held = cache.layers[start].cumulative_length.clone()  # every layer of the range holds these slots
-        padded, padded_positions = _padded(hidden, positions, width)
+        padded, padded_positions = padded_chunk(hidden, positions, width)
         # a tree's mask at the static length before the graph: its width (slots so far) would be a new shape a pass
         padded_tree = _compat.pad_custom_mask(_padded_tree(tree, width), cache, start) if tree is not None else None
         j, size = start, 1
@@ -191,7 +191,7 @@ class CompiledLayers:
         width = width_for(hidden.shape[1]) if hidden.shape[0] == 1 else None
         if self.failed is not None or width is None:
             return None
-        padded = _padded(hidden, None, width)[0]
+        padded = padded_chunk(hidden, None, width)[0]
         try:
             with torch._dynamo.config.patch(**_LIMITS), self._products((self.stack.lm_head,), width):
                 return self._call(self._head, ("head", width), self.stack, padded)[:, : hidden.shape[1]]
@@ -227,10 +227,10 @@ def width_for(q: int) -> int | None:
     return next((width for width in WIDTHS if width >= q), None)
 
 
-def _padded(hidden: torch.Tensor, positions: torch.Tensor | None, width: int) -> tuple[torch.Tensor, Any]:
-    """(1, q, hidden) states and (1, q) positions -> fresh (1, width, ...) tensors: throw-away copies of the last
-    state, at the positions after the last. Fresh, even at q == width: a slice of a longer tensor (a prompt's last
-    row) keeps its strides, which a graph's guards would take for a new shape."""
+def padded_chunk(hidden: torch.Tensor, positions: torch.Tensor | None, width: int) -> tuple[torch.Tensor, Any]:
+    """(b, q, hidden) states and (b, q) positions -> fresh (b, width, ...) tensors: throw-away copies of each row's
+    last state, at the positions after its last. Fresh, even at q == width: a slice of a longer tensor (a prompt's
+    last row) keeps its strides, which a graph's guards would take for a new shape."""
     extra = width - hidden.shape[1]
     hidden = torch.cat([hidden, hidden[:, -1:].expand(-1, extra, -1)], dim=1)
     if positions is not None:

@@ -230,14 +230,9 @@ class PackedLinears:
         outer, self._owner[0] = self._owner[0], threading.get_ident()
         try:
             for module in modules:
-                entry = self._entries.get(id(module))
-                if entry is None or "forward" in module.__dict__:
+                entry = self._current(module)
+                if entry is None:
                     continue
-                weight = module._parameters.get("weight")  # module.weight, without nn.Module's attribute lookup
-                if weight is None or weight._version != entry.version or weight.data_ptr() != entry.data_ptr:
-                    entry = self._repack(module, entry.rows)
-                    if entry is None:
-                        continue
                 module.__dict__["forward"] = entry.forward  # an instance attribute shadows the class's forward
                 swapped.append(module)
             yield
@@ -252,12 +247,7 @@ class PackedLinears:
         (module, copy, weight, bias, its columns of a stacked product or None): what a compiled graph's product
         takes (`graph_products.py`)."""
         for module in modules:
-            entry = self._entries.get(id(module))
-            if entry is None or "forward" in module.__dict__:
-                continue
-            weight = module._parameters.get("weight")
-            if weight is None or weight._version != entry.version or weight.data_ptr() != entry.data_ptr:
-                entry = self._repack(module, entry.rows)
+            entry = self._current(module)
             if entry is None or not entry.kernel.min_rows <= rows <= (entry.kernel.max_rows or rows):
                 continue
             copy = next(iter(entry.packed.values())) if entry.kernel.any_rows else entry.packed.get(rows)
@@ -269,6 +259,17 @@ class PackedLinears:
             else:
                 columns = group.bounds[group.members.index(module)]
                 yield module, copy, group.weight, group.bias, columns
+
+    def _current(self, module: nn.Module) -> _Packed | None:
+        """`module`'s entry, packed again where its weight changed in place or moved since (None: no copy, or
+        another wrapper's `forward` is set on it)."""
+        entry = self._entries.get(id(module))
+        if entry is None or "forward" in module.__dict__:
+            return None
+        weight = module._parameters.get("weight")  # module.weight, without nn.Module's attribute lookup
+        if weight is None or weight._version != entry.version or weight.data_ptr() != entry.data_ptr:
+            return self._repack(module, entry.rows)
+        return entry
 
     def _repack(self, module: nn.Module, rows: tuple[int, ...]) -> _Packed | None:
         """The weight changed in place or moved since it was packed: pack it again (or stop packing it), with the
