@@ -743,3 +743,6 @@ def test_a_compiled_arm_is_prepared_and_warmed_up_with_the_compute_meter_off(mon
     assert {compiled for compiled, _ in seen} == {True, False}
     assert all(hooks != compiled for compiled, hooks in seen)
     assert all(row["identical"] == row["runs"] for row in result.summary)
+    # the compiled default's exits against its own compiled n-gram tier, from the same run
+    assert "router verify, n-gram tier only, compiled" in [arm.name for arm in result.arms]
+    assert "Exits added in verify mode, compiled: " in result.markdown()

@@ -1,5 +1,6 @@
-"""Compiled passes at padded widths, their products from the stack's packed copies (`graph_products.py`): the
-same states and cache as an eager pass, one product per stacked group, and the model left exactly as it was."""
+"""Compiled passes (a plain step's graph, one graph of 2 to 8 positions), their products from the stack's packed
+copies (`graph_products.py`): the same states and cache as an eager pass, one product per stacked group, and the
+model left exactly as it was."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from early_exit_router.models import _compat, graph_products, kernels
 from early_exit_router.models import packed as packed_module
-from early_exit_router.models.compiled import WIDTHS, width_for
+from early_exit_router.models.compiled import MAX_WIDTH, SPAN, graph_shape
 
 from .conftest import assert_cache_matches_full_forward, assert_same_model, model_fingerprint, tiny_llama
 from .test_compiled import compiled_router
@@ -37,9 +38,9 @@ def counted_products(monkeypatch):
     return calls
 
 
-def test_a_chunk_runs_at_the_next_width_and_its_throw_away_slots_are_dropped():
-    assert [width_for(q) for q in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
-    assert WIDTHS[0] == 1
+def test_a_step_has_its_own_graph_and_every_chunk_of_2_to_8_positions_shares_one():
+    assert [graph_shape(q) for q in range(1, 10)] == [1] + [SPAN] * 7 + [None]
+    assert MAX_WIDTH == 8
 
 
 def test_a_compiled_pass_takes_one_product_per_stacked_group_from_the_packed_copies(counted_products):
@@ -48,7 +49,7 @@ def test_a_compiled_pass_takes_one_product_per_stacked_group_from_the_packed_cop
     router = compiled_router(model)
     stack = router.stack
     assert stack.packed_weights is not None and stack.packed_weights.groups > 0
-    context, q = 10, 3  # runs at width 4: one throw-away position
+    context, q = 10, 3  # the graph of 2 to 8 positions, at its own width
     states = torch.randn(1, context + q, stack.hidden_size, generator=torch.Generator().manual_seed(0))
     positions = torch.arange(context + q).unsqueeze(0)
     static, dynamic = stack.new_cache(context + q), stack.new_cache()
@@ -58,11 +59,11 @@ def test_a_compiled_pass_takes_one_product_per_stacked_group_from_the_packed_cop
         want = stack._run(states[:, context:], 0, stack.num_layers, dynamic, positions[:, context:])
         counted_products.clear()
         got = stack.run(states[:, context:], 0, stack.num_layers, static, positions[:, context:])
-        # query+key+value and gate+up are stacked: 4 products a layer, not 7, each over the padded width
-        assert counted_products == [width_for(q)] * (4 * stack.num_layers)
+        # query+key+value and gate+up are stacked: 4 products a layer, not 7, each over the chunk's own rows
+        assert counted_products == [q] * (4 * stack.num_layers)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
         assert all(_compat.static_held(static, j) == context + q for j in range(stack.num_layers))
-        for j in range(stack.num_layers):  # the throw-away position's slots are not the cache's
+        for j in range(stack.num_layers):
             for mine, theirs in zip(static.layers[j].keys[:, :, : context + q], dynamic.layers[j].keys):
                 assert torch.allclose(mine, theirs, atol=1e-5, rtol=1e-5)
         counted_products.clear()
@@ -75,6 +76,36 @@ def test_a_compiled_pass_takes_one_product_per_stacked_group_from_the_packed_cop
     assert_same_model(before, model_fingerprint(model))
 
 
+def test_one_graph_serves_every_chunk_of_2_to_8_positions_with_an_eager_passs_states_and_cache():
+    from torch._dynamo.utils import counters
+
+    model = tiny_llama(4)
+    router = compiled_router(model)
+    stack = router.stack
+    total = 8 + sum(range(2, MAX_WIDTH + 1))
+    states = torch.randn(1, total, stack.hidden_size, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(total).unsqueeze(0)
+    static, dynamic = stack.new_cache(total), stack.new_cache()
+    graphs = None
+    with torch.inference_mode():
+        for cache in (static, dynamic):
+            stack._run(states[:, :8], 0, stack.num_layers, cache, positions[:, :8])
+        done = 8
+        for q in range(2, MAX_WIDTH + 1):  # chunk after chunk, each at its own width: no throw-away positions
+            chunk, at = states[:, done : done + q], positions[:, done : done + q]
+            want = stack._run(chunk, 0, stack.num_layers, dynamic, at)
+            got = stack.run(chunk, 0, stack.num_layers, static, at)
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+            done += q
+            assert _compat.static_held(static, 0) == done
+            if graphs is None:  # the first chunk compiled the graphs; every later width reuses them
+                graphs = counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs
+        for j in range(stack.num_layers):
+            assert torch.allclose(static.layers[j].keys[:, :, :done], dynamic.layers[j].keys, atol=1e-5, rtol=1e-5)
+    assert all(SPAN in key for key in stack.compiled_layers()._seen)  # no graph of one position either
+
+
 def test_verify_mode_through_packed_graph_products_keeps_the_contract(counted_products):
     model = tiny_llama(1)
     ids = repetitive_prompt(1)
@@ -83,8 +114,8 @@ def test_verify_mode_through_packed_graph_products_keeps_the_contract(counted_pr
     counted_products.clear()
     out = router.generate(ids, max_new_tokens=32, mode="verify")
     assert torch.equal(out.sequences, ref)
-    widths = set(counted_products)  # the prompt's eager pass aside, products over the widths passes compile at
-    assert 1 in widths and any(width in widths for width in WIDTHS[1:])
+    widths = set(counted_products)  # the prompt's eager pass aside, products over each chunk's own rows
+    assert 1 in widths and widths & {3, 5, 6, 7}  # passes at their own widths, not padded to 4 or 8
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
 
 
@@ -101,7 +132,7 @@ def test_a_module_called_eagerly_while_a_graph_holds_its_copy_runs_its_own_forwa
     assert "forward" not in linear.__dict__ and "_eer_packed" not in linear._buffers
 
 
-@pytest.mark.slow  # compiles every width: about a minute on 2 cores with a cold inductor cache
+@pytest.mark.slow  # compiles both graph shapes: about a minute on 2 cores with a cold inductor cache
 def test_warmed_passes_leave_a_decode_nothing_to_compile_and_stats_say_what_one_compiled():
     from early_exit_router.models.compiled import warm_passes
 
@@ -112,8 +143,8 @@ def test_warmed_passes_leave_a_decode_nothing_to_compile_and_stats_say_what_one_
     compiled = router.stack.compiled_layers()
     warm_passes(router.stack, range(1, 17))
     shapes = set(compiled._seen)
-    assert {key[-1] for key in shapes if key[0] == "head"} == set(WIDTHS)
-    assert {key[3] for key in shapes if key[0] == "range" and key[-1]} == set(WIDTHS)  # tree passes' mask graphs
+    assert {key[-1] for key in shapes if key[0] == "head"} == {1, SPAN}
+    assert {key[3] for key in shapes if key[0] == "range" and key[-1]} == {1, SPAN}  # tree passes' mask graphs
     ids = repetitive_prompt(3)
     ref = model.generate(ids, max_new_tokens=24, do_sample=False)
     later = router.generate(ids, max_new_tokens=24, mode="verify")
@@ -133,8 +164,8 @@ def test_the_compiled_decodes_cost_table_is_measured_on_the_compiled_passes(monk
     table = costs.measure(router.stack, router.heads, 0, chunks=(1, 2, 3, 8, 16), reps=1, rounds=1, compile=True)
     assert table.key == compiled_key and len(table.layer_ms) == 5
     seen = router.stack.compiled_layers()._seen
-    assert {key[-1] for key in seen if key[0] == "layers"} == {1, 2, 4, 8}  # 16 positions run eagerly
-    assert {key[-1] for key in seen if key[0] == "head"} == {1, 2, 4, 8}  # no packed copy: the head as a graph
+    assert {key[-1] for key in seen if key[0] == "layers"} == {1, SPAN}  # 16 positions run eagerly
+    assert {key[-1] for key in seen if key[0] == "head"} == {1, SPAN}  # no packed copy: the head as a graph
     # a call whose config compiles decides from that table, another from the eager passes'
     asked = []
     monkeypatch.setattr(api, "cost_model_for", lambda *args: asked.append(args[-1]) or table)
@@ -142,18 +173,3 @@ def test_the_compiled_decodes_cost_table_is_measured_on_the_compiled_passes(monk
     for compile in (True, False):
         router.costs(config=router.config.replace(compile=compile))
     assert asked == [True, False]
-
-
-@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
-def test_a_trees_mask_padded_to_its_width_hides_the_throw_away_positions_from_the_real_ones(dtype):
-    from early_exit_router.models.compiled import _padded_tree
-
-    allowed = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)  # 2 slots, 3 nodes
-    mask = _compat.tree_attention_mask(type("C", (), {"_attn_implementation": "sdpa"})(), allowed[None])
-    if dtype != torch.bool:
-        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(dtype).min)
-    padded = _padded_tree(mask, 4)[0, 0]
-    seen = padded if dtype == torch.bool else padded == 0
-    assert padded.shape == (4, 6) and padded.dtype == dtype
-    assert torch.equal(seen[:3, :5], allowed) and not seen[:3, 5].any()  # the real rows: as they were, no pad slot
-    assert torch.equal(seen[3], torch.ones(6, dtype=torch.bool))  # the pad: every slot up to its own

@@ -97,6 +97,10 @@ def build_arms(router: Any, cfg: BenchConfig, others: Sequence[str] = ()) -> lis
             name = f"router {mode}, n-gram tier only"
             overrides = {"ngram_tier": True, "active_exit_layers": []}
             arms.append(Arm(name, "router", mode, overrides, family=f"router {mode}, n-gram only"))
+        if cfg.ngram and compiled:  # what the compiled default's exits add over its own n-gram tier
+            name, family = f"router {mode}, n-gram tier only, compiled", f"router {mode}, n-gram only, compiled"
+            overrides = {"ngram_tier": True, "active_exit_layers": [], "compile": True}
+            arms.append(Arm(name, "router", mode, overrides, family=family, compiled=True))
         if cfg.fixed_cascade:
             name = f"router {mode}, fixed cascade, no n-gram"
             overrides = {"policy": "fixed", "ngram_tier": False}

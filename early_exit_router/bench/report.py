@@ -173,9 +173,9 @@ def _exits_added(rows: list[dict[str, Any]], num_layers: int) -> list[str]:
     """Per mode, the loaded config against the same mode with the n-gram tier alone (exits off), from one run: what
     the exit heads added in speed, in tokens and in draft cycles."""
     lines = []
-    for mode in ("verify", "exit"):
-        routed = next((r for r in rows if r.get("family") == f"router {mode}, loaded config"), None)
-        alone = next((r for r in rows if r.get("family") == f"router {mode}, n-gram only"), None)
+    for mode, compiled in ((m, c) for m in ("verify", "exit") for c in ("", ", compiled")):
+        routed = next((r for r in rows if r.get("family") == f"router {mode}, loaded config{compiled}"), None)
+        alone = next((r for r in rows if r.get("family") == f"router {mode}, n-gram only{compiled}"), None)
         if routed is None or alone is None or not routed["tokens_per_s"] or not alone["tokens_per_s"]:
             continue
         gain = routed["tokens_per_s"] / alone["tokens_per_s"] - 1
@@ -183,9 +183,10 @@ def _exits_added(rows: list[dict[str, Any]], num_layers: int) -> list[str]:
         exited = exit_head_tokens(routed["exit_histogram"], num_layers) / max(1, routed["tokens"])
         cycles = exit_draft_cycles(routed.get("policy_cycles"))
         lines.append(
-            f"Exits added in {mode} mode: {routed['tokens_per_s']:.1f} against {alone['tokens_per_s']:.1f} tok/s "
-            f"with the n-gram tier alone ({gain:+.1%}, {saved_ms:+.2f} ms saved per token); tokens from exit heads "
-            f"{exited:.1%}" + (f", exit draft cycles {cycles}." if mode == "verify" else ".")
+            f"Exits added in {mode} mode{compiled}: {routed['tokens_per_s']:.1f} against "
+            f"{alone['tokens_per_s']:.1f} tok/s with the n-gram tier alone ({gain:+.1%}, {saved_ms:+.2f} ms saved per "
+            f"token); tokens from exit heads {exited:.1%}"
+            + (f", exit draft cycles {cycles}." if mode == "verify" else ".")
         )
     return ["", *lines] if lines else []
 

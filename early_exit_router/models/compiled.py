@@ -8,12 +8,12 @@ rotary tables are one more small graph (built against a copy of the cache that h
 so one serves every range), the final norm and LM head another. The mask is HF's own (`_compat.build_mask` against
 the static cache); routing decisions stay in Python between graphs.
 
-A chunk of up to 8 positions (a plain step, a fill, verify or tree pass) runs at the next width of `WIDTHS`, padded
-with throw-away positions after its own (the mask keeps them from the real ones, and a length update drops their
-slots again), so a few graph shapes serve every pass; where the stack has prepacked weights the graphs compute their
-products from those copies (`graph_products.py`). Wider chunks and left-padded rows run eagerly from the prepacked
-weights on the same static cache, and so does the LM head where a packed copy serves its rows (a graph only wraps its
-one product).
+A chunk of up to `MAX_WIDTH` positions (a plain step, a fill, verify or tree pass) runs as a graph: a plain step's
+one position as its own graph, 2 to `MAX_WIDTH` positions as one graph whose width is a symbol (dynamo's
+`mark_dynamic`), so two graph shapes serve every pass and none is padded; where the stack has prepacked weights the
+graphs compute their products from those copies (`graph_products.py`). Wider chunks and left-padded rows run eagerly
+from the prepacked weights on the same static cache, and so does the LM head where a packed copy serves its rows (a
+graph only wraps its one product).
 """
 
 from __future__ import annotations
@@ -32,22 +32,31 @@ from early_exit_router.models.precise_logits import refines
 
 logger = logging.getLogger(__name__)
 
-# The widths passes compile at (a chunk runs at the next one up; wider ones run eagerly). Measured, a float32 SmolLM2
-# pass from the packed copies (2-core AMD host): 34.2 ms at one position, 36.8 at 2, 42.0 at 4 and 50.4 at 8, eager
-# 44.3 to 63.6; past 8 the padding costs what compiling saves (12 positions: 74.9 ms at 16 against 68.4 eagerly).
-WIDTHS = (1, 2, 4, 8)
+# The widest chunk that runs as a graph (wider ones run eagerly). Widths 2 to MAX_WIDTH share one graph whose width
+# is a symbol: measured, a float32 SmolLM2 pass from the packed copies (2-core AMD host) took the same at each width
+# as graphs compiled for it alone (40.1 ms at 2 positions, 45.0 at 3, 53.9 at 8, against 39.7, 45.9 and 54.3), and a
+# cold first use compiles one graph instead of one per width (chunks padded to 1, 2, 4 or 8: 98 s at load). Past 8,
+# compiling saves little over the eager pass (12 positions: 68.4 ms eagerly).
+MAX_WIDTH = 8
+SPAN = f"2-{MAX_WIDTH}"  # the shape key of the graph of 2 to MAX_WIDTH positions
+SHAPES = (1, SPAN)  # the graphs of each kind a decode compiles
 # Consecutive layers per graph call (a range's rest runs one layer a call): fewer calls and fusion across layers.
 # Measured, a float32 SmolLM2 step: 35.2 ms one layer a call, 30.0 in groups of 6 (12 s to compile), 30.3 of 15 (28 s).
+# A graph of pairs for the rest measured no faster on SmolLM2's ranges (0-16 and 16-30 at one position: 37.7-40.4 ms
+# against 37.6-38.6, within the host's noise) and would add a third of a group's compile time.
 GROUP = 6
 # Graphs per compiled function (dynamo counts them per function, for every model of the process): one per width,
 # layer-group size, static length and model; dynamo's default of 8 (256 over all functions) would fail the passes
 # of the second or third model a process compiles (the family sweep in the tests runs 27).
 RECOMPILE_LIMIT, ALL_GRAPHS_LIMIT = 1024, 8192
-_LIMITS = {  # the names before torch 2.7: cache_size_limit, accumulated_cache_size_limit
+_DYNAMO = {  # the names before torch 2.7: cache_size_limit, accumulated_cache_size_limit
     next(key for key in (new, old) if hasattr(torch._dynamo.config, key)): limit
     for new, old, limit in (
         ("recompile_limit", "cache_size_limit", RECOMPILE_LIMIT),
         ("accumulated_recompile_limit", "accumulated_cache_size_limit", ALL_GRAPHS_LIMIT),
+        # only the chunk's width is a symbol (`_mark_width`): a new static length is a new graph, as every shape
+        # was before, not a recompile that makes it (and whatever else changed) a symbol too
+        ("automatic_dynamic_shapes", "automatic_dynamic_shapes", False),
     )
     if hasattr(torch._dynamo.config, new) or hasattr(torch._dynamo.config, old)
 }
@@ -128,17 +137,18 @@ class CompiledLayers:
         self._packed = stack.packed_weights if graph_products.available() else None
         if self._packed is not None:
             options.update(graph_products.compile_options())
-        kwargs = {"fullgraph": True, "dynamic": False, "options": options}
+        kwargs = {"fullgraph": True, "dynamic": None, "options": options}  # None: `_mark_width` names the one symbol
         self._prep = torch.compile(_range_inputs, **kwargs)
         self._layers = torch.compile(_layers_pass, **kwargs)
         self._head = torch.compile(_head_pass, **kwargs)
         self._seen: set[tuple] = set()  # (graph, shape) pairs already compiled
 
     def serves(self, hidden: torch.Tensor, attention_mask: Any) -> bool:
-        """Whether a pass over `hidden` runs as graphs: one sequence, a chunk `WIDTHS` holds, and no mask or a tree's
-        own (4D: left-padded rows' 2D masks need the eager pass)."""
+        """Whether a pass over `hidden` runs as graphs: one sequence, a chunk of up to `MAX_WIDTH` positions, and no
+        mask or a tree's own (4D: left-padded rows' 2D masks need the eager pass)."""
         tree_or_none = attention_mask is None or attention_mask.dim() == 4
-        return self.failed is None and hidden.shape[0] == 1 and bool(width_for(hidden.shape[1])) and tree_or_none
+        one_chunk = hidden.shape[0] == 1 and graph_shape(hidden.shape[1]) is not None
+        return self.failed is None and one_chunk and tree_or_none
 
     def run(
         self,
@@ -150,51 +160,53 @@ class CompiledLayers:
         tree: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layers [start, stop) over `hidden` (1, q, hidden_size) at `positions` (under `tree`, a token tree's own
-        (1, 1, q, slots so far + q) mask), run at the width `width_for(q)` (the cache has room for it); falls back
-        to eager passes (and stays there, logged) where a graph fails to compile."""
+        (1, 1, q, slots so far + q) mask) as the graphs of `graph_shape(q)` (the cache has room for the chunk); falls
+        back to eager passes (and stays there, logged) where a graph fails to compile."""
         q = hidden.shape[1]
-        width = width_for(q)
+        shape = graph_shape(q)
         views = _views(cache)
         length = cache.layers[start].max_cache_len  # the static length: part of every graph's shapes
         held = cache.layers[start].cumulative_length.clone()  # every layer of the range holds these slots
-        padded, padded_positions = padded_chunk(hidden, positions, width)
+        chunk, chunk_positions = _fresh(hidden), _fresh(positions)
         # a tree's mask at the static length before the graph: its width (slots so far) would be a new shape a pass
-        padded_tree = _compat.pad_custom_mask(_padded_tree(tree, width), cache, start) if tree is not None else None
+        static_tree = _compat.pad_custom_mask(tree, cache, start) if tree is not None else None
+        _mark_width(q, (chunk, -2), (chunk_positions, -1), (static_tree, -2))
         j, size = start, 1
         try:
             # Grouped heads attend without copying the static buffers (`attention.py`): a static cache's step has
             # a mask (the unwritten slots), which makes HF's sdpa repeat every key and value head over its length.
-            with torch._dynamo.config.patch(**_LIMITS), self.stack._attention(2):
+            with torch._dynamo.config.patch(**_DYNAMO), self.stack._attention(2):
                 kind = self.stack.mask_kinds[start]
-                mask, rotary = self._call(self._prep, ("range", kind, length, width, tree is not None), self.stack,
-                                          padded, _first_layer(cache, start), padded_positions, kind,
-                                          padded_tree)  # fmt: skip
+                range_key = ("range", kind, length, shape, tree is not None)
+                mask, rotary = self._call(self._prep, range_key, self.stack, chunk, _first_layer(cache, start),
+                                          chunk_positions, kind, static_tree)  # fmt: skip
+                _mark_width(q, (mask, -2), (rotary, -2))  # (1, 1, q, length) and (1, q, head_dim) tables
                 while j < stop:
-                    size = GROUP if stop - j >= GROUP else 1  # two graphs a width: a group, one layer
+                    size = GROUP if stop - j >= GROUP else 1  # two graphs a shape: a group, one layer
                     layers, group_views = self._layers_in_order[j : j + size], tuple(views[j : j + size])
-                    with self._products([m for k in range(j, j + size) for m in self.stack._layer_linears[k]], width):
-                        padded = self._call(self._layers, ("layers", size, length, width), self.stack, layers, padded,
-                                            mask, padded_positions, rotary, group_views)  # fmt: skip
+                    with self._products([m for k in range(j, j + size) for m in self.stack._layer_linears[k]], q):
+                        chunk = self._call(self._layers, ("layers", size, length, shape), self.stack, layers, chunk,
+                                           mask, chunk_positions, rotary, group_views)  # fmt: skip
                     j += size
         except Exception as error:  # noqa: BLE001 (any compiler failure: the eager pass is always there)
             self._fail(error)
             for k in range(start, stop):  # this pass's slots in every layer it reached: the eager pass writes them
                 cache.layers[k].cumulative_length.copy_(held)
             return self.stack._run(hidden, start, stop, cache, positions, tree)
-        for k in range(start, stop):  # the throw-away positions' slots: a length update
-            _compat.drop_static_slots(cache.layers[k], width - q)
-        return padded[:, :q]
+        return chunk
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Final norm + LM head (+ the family's finish) over (1, q) positions, q up to the widest of `WIDTHS`, or None
-        where it does not compile."""
-        width = width_for(hidden.shape[1]) if hidden.shape[0] == 1 else None
-        if self.failed is not None or width is None:
+        """Final norm + LM head (+ the family's finish) over (1, q) positions, q up to `MAX_WIDTH`, or None where it
+        does not compile."""
+        q = hidden.shape[1]
+        shape = graph_shape(q) if hidden.shape[0] == 1 else None
+        if self.failed is not None or shape is None:
             return None
-        padded = padded_chunk(hidden, None, width)[0]
+        chunk = _fresh(hidden)
+        _mark_width(q, (chunk, -2))
         try:
-            with torch._dynamo.config.patch(**_LIMITS), self._products((self.stack.lm_head,), width):
-                return self._call(self._head, ("head", width), self.stack, padded)[:, : hidden.shape[1]]
+            with torch._dynamo.config.patch(**_DYNAMO), self._products((self.stack.lm_head,), q):
+                return self._call(self._head, ("head", shape), self.stack, chunk)
         except Exception as error:  # noqa: BLE001
             self._fail(error)
             return None
@@ -222,35 +234,38 @@ class CompiledLayers:
         logger.warning("early-exit-router: compiled passes failed (%s); eager passes from now on", self.failed)
 
 
-def width_for(q: int) -> int | None:
-    """The width a chunk of q positions compiles at: the narrowest of `WIDTHS` that holds it (None: none does)."""
-    return next((width for width in WIDTHS if width >= q), None)
+def graph_shape(q: int) -> int | str | None:
+    """The graph a chunk of q positions runs as: 1 (a plain step's), `SPAN` (the one graph of 2 to `MAX_WIDTH`
+    positions) or None (wider: an eager pass)."""
+    return 1 if q == 1 else SPAN if 2 <= q <= MAX_WIDTH else None
+
+
+def _mark_width(q: int, *tensors: tuple[Any, int]) -> None:
+    """Name dimension `dim` of each (tensors, dim) pair's tensors (any nesting; None skipped), the chunk's width q,
+    dynamo's symbol for the graph of 2 to `MAX_WIDTH` positions (a plain step's width 1 stays a constant)."""
+    if q == 1:
+        return
+    for tree, dim in tensors:
+        for leaf in torch.utils._pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() >= -dim and leaf.shape[dim] == q:
+                torch._dynamo.mark_dynamic(leaf, leaf.dim() + dim, min=2, max=MAX_WIDTH)
+
+
+def _fresh(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `tensor`: a graph's input may be marked (`_mark_width`), and a slice of a longer tensor
+    (a prompt's last row) keeps strides the guards would take for a new shape."""
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def padded_chunk(hidden: torch.Tensor, positions: torch.Tensor | None, width: int) -> tuple[torch.Tensor, Any]:
-    """(b, q, hidden) states and (b, q) positions -> fresh (b, width, ...) tensors: throw-away copies of each row's
-    last state, at the positions after its last. Fresh, even at q == width: a slice of a longer tensor (a prompt's
-    last row) keeps its strides, which a graph's guards would take for a new shape."""
+    """(b, q, hidden) states and (b, q) positions -> (b, width, ...): throw-away copies of each row's last state
+    appended, at the positions after its last (an eager pass padded to a cheaper chunk length)."""
     extra = width - hidden.shape[1]
     hidden = torch.cat([hidden, hidden[:, -1:].expand(-1, extra, -1)], dim=1)
     if positions is not None:
         steps = torch.arange(1, extra + 1, device=positions.device).unsqueeze(0)
         positions = torch.cat([positions, positions[:, -1:] + steps], dim=1)
     return hidden, positions
-
-
-def _padded_tree(mask: torch.Tensor, width: int) -> torch.Tensor:
-    """A tree's (1, 1, q, slots so far + q) mask for a pass at `width`: the throw-away positions' rows and slots
-    appended, where no real position sees them and each of them sees every slot up to its own (causally, as a
-    padded plain chunk's do: no row is all blocked)."""
-    q, slots = mask.shape[2], mask.shape[3]
-    extra = width - q
-    allowed, blocked = (True, False) if mask.dtype == torch.bool else (0.0, torch.finfo(mask.dtype).min)
-    columns = mask.new_full((*mask.shape[:3], extra), blocked)
-    own = slots + torch.arange(extra, device=mask.device)  # each throw-away position's own slot
-    causal = torch.arange(slots + extra, device=mask.device)[None, :] <= own[:, None]  # (extra, slots + extra)
-    rows = torch.where(causal, allowed, blocked).to(mask.dtype)[None, None]
-    return torch.cat([torch.cat([mask, columns], dim=-1), rows], dim=2)
 
 
 def _first_layer(cache: Any, start: int) -> Any:
@@ -293,8 +308,7 @@ def run_range(
 ) -> torch.Tensor:
     """`LayerStack._run`, as graphs where the cache is static and the pass's shape compiles (room made first)."""
     if start < stop and _compat.is_static(cache):
-        room = width_for(hidden.shape[1]) or hidden.shape[1]  # a compiled pass writes its throw-away slots too
-        _compat.make_room(cache, start, _compat.static_held(cache, start) + room)
+        _compat.make_room(cache, start, _compat.static_held(cache, start) + hidden.shape[1])
         compiled = compiled_layers(stack)
         if compiled is not None:  # a grown cache: later decodes start at its length (its graphs are compiled)
             compiled.static_slots = max(compiled.static_slots, cache.layers[start].max_cache_len)
@@ -318,13 +332,15 @@ def compiled_logits(stack: Any, hidden: torch.Tensor, precise: bool) -> torch.Te
 
 @torch.inference_mode()
 def warm_passes(stack: Any, widths: Iterable[int]) -> None:
-    """Compile now what decodes at the static length in use will run at each width of `WIDTHS` that chunks of
-    `widths` positions run at: a range's mask (and a tree's), a group of layers, a single layer and the LM head
-    (announced, then timed; inductor's disk cache makes a later process's compile quicker)."""
+    """Compile now the graphs (`SHAPES`) that decodes at the static length in use run chunks of `widths` positions
+    as: a range's mask (and a tree's), a group of layers, a single layer and, where it runs as a graph
+    (`compiled_logits`), the LM head; announced, then timed (inductor's disk cache makes a later process's compile
+    quicker)."""
     compiled = compiled_layers(stack)
     if compiled is None or compiled.failed is not None or not compiled.static_slots:
         return
-    shapes = sorted({w for w in map(width_for, widths) if w is not None})
+    # each shape at the narrowest of `widths` it serves
+    shapes = {graph_shape(q): q for q in sorted(widths, reverse=True) if graph_shape(q) is not None}
     cache = stack.new_cache(compiled.static_slots)
     if cache is None:
         return
@@ -333,10 +349,10 @@ def warm_passes(stack: Any, widths: Iterable[int]) -> None:
     for layer in cache.layers:  # empty again: a tree's mask below covers its own slots alone
         _compat.drop_static_slots(layer, 1)
     compiled._announced = True  # this line says it
-    logger.warning("early-exit-router: compiling the decode passes at %d widths (once per process; inductor caches "
-                   "them on disk)", len(shapes))  # fmt: skip
+    logger.warning("early-exit-router: compiling the decode passes: %d graph shapes (once per process; inductor "
+                   "caches them on disk)", len(shapes))  # fmt: skip
     before = compiled.compile_s
-    for width in shapes:
+    for width in shapes.values():
         hidden = first.expand(1, width, -1)
         positions = torch.arange(1, width + 1, device=stack.device).unsqueeze(0)
         causal = torch.ones(1, width, width, dtype=torch.bool, device=stack.device).tril()
@@ -345,7 +361,7 @@ def warm_passes(stack: Any, widths: Iterable[int]) -> None:
             compiled.run(hidden, 0, stop, cache, positions, mask)
             for layer in cache.layers[:stop]:
                 _compat.drop_static_slots(layer, width)
-        compiled.logits(hidden)
+        compiled_logits(stack, hidden, precise=False)
     logger.warning("early-exit-router: compiled in %.0f s", compiled.compile_s - before)
 
 

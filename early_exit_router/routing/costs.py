@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from early_exit_router.models.compiled import GROUP, WIDTHS, compiles_here
+from early_exit_router.models.compiled import GROUP, SHAPES, compiles_here
 from early_exit_router.models.kernels import rising_within
 from early_exit_router.routing.cpu_load import other_work_share, read_cpu
 
-COST_FORMAT_VERSION = 4  # 4: keyed by compiled widths; 3: fixed chunk lengths; 2: interleaved rounds, a real step
+COST_FORMAT_VERSION = 4  # 4: keyed by the compiled graphs; 3: fixed chunk lengths; 2: interleaved rounds, a real step
 PAD_MIN_GAIN = 0.15  # pad a chunk only when the padded length is measured at least this much cheaper
 MEASURED_CHUNKS = (*range(1, 17), 24, 32, 48, 64)  # chunk lengths timed: dense where drafts live, sparse beyond
 # A consistent table: a longer chunk costs at least this share of one position, and a timed real step lies within
@@ -313,7 +313,7 @@ def cost_key(stack: Any, draft_vocab_size: int, compile: bool = False) -> dict[s
         "library": __version__,
         "draft_vocab_size": draft_vocab_size,
         "chunks": list(MEASURED_CHUNKS),
-        "compiled": list(WIDTHS) if compile and compiles_here(stack) else [],  # the widths passes compile at
+        "compiled": list(SHAPES) if compile and compiles_here(stack) else [],  # the graphs passes run as
     }
 
 
@@ -384,8 +384,8 @@ def measure(
     a transient slowdown (another process, a kernel's first call at a new shape) then spoils one round of a few
     entries, not the table. A real plain decoding step is timed in every round too, as a check (`problems`).
 
-    `compile` (where passes compile here): every pass over a static cache as a compiled decode runs it (as graphs at
-    the width a chunk pads to), so the policy prices what will run; each entry's untimed first call compiles."""
+    `compile` (where passes compile here): every pass over a static cache as a compiled decode runs it (as graphs up
+    to `compiled.MAX_WIDTH` positions), so the policy prices what will run; an untimed first call compiles."""
     from early_exit_router.heads.adapters import needs_context
     from early_exit_router.heads.draft import draft_logits
     from early_exit_router.heads.gates import gate_probability
