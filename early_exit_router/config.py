@@ -321,11 +321,11 @@ class DraftingOptions:
         default=False,
         metadata={
             "help": "One sequence's passes of up to 8 positions (plain steps, fills, verify and tree passes) run as "
-            "torch.compile graphs over a static KV cache, padded to 1, 2, 4 or 8 positions, each graph shared by "
-            "every group of layers of its size and computing from the prepacked weights where the stack has them; "
-            "the cost policy prices these graphs. Compiled once per process (warm_up does it at load: minutes the "
-            "first time, seconds from inductor's disk cache; stats.compile_s says what a call spent). Where a family, "
-            "device or dtype cannot use them (or compiling fails), eager passes run, logged."
+            "torch.compile graphs over a static KV cache (one for a single position, one for 2 to 8), each graph "
+            "shared by every group of layers of its size and computing from the prepacked weights where the stack "
+            "has them; the cost policy prices these graphs. Compiled once per process (warm_up does it at load: about "
+            "a minute the first time, seconds from inductor's disk cache; stats.compile_s says what a call spent). "
+            "Where a family, device or dtype cannot use them (or compiling fails), eager passes run, logged."
         },
     )
 

@@ -370,7 +370,7 @@ class LayerStack:
 
         `pad_to > q` computes that many rows (copies of the last) and returns the first q: see `run`. `precise`, on a
         bf16/fp16 head, returns float32 logits whose leading entries are the float32 product (`precise_logits.py`).
-        `compiled`: the head may run as a graph at its own padded width (`compiled_logits`; `pad_to` then unused)."""
+        `compiled`: the head may run as a graph (`compiled_logits`; `pad_to` then unused)."""
         q = hidden.shape[1]
         logits = compiled_logits(self, hidden, precise) if compiled else None
         if logits is not None:
