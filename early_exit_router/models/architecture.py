@@ -26,13 +26,7 @@ from torch import nn
 
 from early_exit_router.models import _compat
 from early_exit_router.models.attention import check_native_gqa, native_gqa, native_gqa_supported
-from early_exit_router.models.compiled import (
-    CompiledLayers,
-    compiled_layers,
-    compiled_logits,
-    padded_chunk,
-    run_range,
-)
+from early_exit_router.models.compiled import CompiledLayers, compiled_layers, compiled_logits, run_range
 from early_exit_router.models.kernels import packing_supported
 from early_exit_router.models.packed import PackedLinears
 from early_exit_router.models.precise_logits import precise_top_logits, refines
@@ -253,10 +247,12 @@ class LayerStack:
         if start >= stop or pad_to <= q:
             return run_range(self, hidden, start, stop, cache, positions, attention_mask)
         extra = pad_to - q
-        padded, padded_positions = padded_chunk(hidden, positions, pad_to)  # (b, q) -> (b, pad_to)
+        # (b, q) -> (b, pad_to): the throw-away positions continue each row's count
+        steps = torch.arange(1, extra + 1, device=positions.device).unsqueeze(0)
+        padded_positions = torch.cat([positions, positions[:, -1:] + steps], dim=1)
         if attention_mask is not None:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], extra)], 1)
-        out = run_range(self, padded, start, stop, cache, padded_positions, attention_mask)
+        out = run_range(self, _pad_rows(hidden, pad_to), start, stop, cache, padded_positions, attention_mask)
         for layer_idx in range(start, stop):
             _compat.drop_last_positions(cache, layer_idx, extra)
         return out[:, :q]

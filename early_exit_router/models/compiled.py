@@ -257,17 +257,6 @@ def _fresh(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
-def padded_chunk(hidden: torch.Tensor, positions: torch.Tensor | None, width: int) -> tuple[torch.Tensor, Any]:
-    """(b, q, hidden) states and (b, q) positions -> (b, width, ...): throw-away copies of each row's last state
-    appended, at the positions after its last (an eager pass padded to a cheaper chunk length)."""
-    extra = width - hidden.shape[1]
-    hidden = torch.cat([hidden, hidden[:, -1:].expand(-1, extra, -1)], dim=1)
-    if positions is not None:
-        steps = torch.arange(1, extra + 1, device=positions.device).unsqueeze(0)
-        positions = torch.cat([positions, positions[:, -1:] + steps], dim=1)
-    return hidden, positions
-
-
 def _first_layer(cache: Any, start: int) -> Any:
     """A shallow copy of the static `cache` whose only layer is its layer `start` (what a range's mask is sized
     against): the mask graph then sees no layer index."""
