@@ -244,8 +244,8 @@ class DraftingOptions:
         default=None,
         metadata={
             "help": "Cost policy: an exit's estimates before any verdict (in [0, 1]; None: acceptance_prior): "
-            "its drafts' acceptance, its gate's firing share, its top-1 agreement (the gate's recent_acceptance "
-            "feature). Where they price its chains below plain decoding, shadow probes must see it pay first."
+            "drafts' acceptance, gate firing share, top-1 agreement. Where they price its chains below plain "
+            "decoding, probes must see it pay first; verify mode leaves a block exit out (it runs every step)."
         },
     )
     ngram_tier: bool = field(

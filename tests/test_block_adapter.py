@@ -129,6 +129,36 @@ def test_cost_policy_verify_with_block_adapters_is_greedy_identical():
     assert any(k.startswith("exit") for k in out.stats.policy_cycles)  # the policy drafted from a block exit
 
 
+def test_verify_mode_leaves_out_a_block_exit_whose_drafts_do_not_pay_at_its_starting_estimate():
+    """A block's layer runs on every step whether its exit drafts or not, so verify mode under the cost policy
+    consults it only where its drafts pay at the acceptance its estimates start from. On the tiny tables the block
+    exit at layer 3 breaks even at 0.47 (flat) and 0.87 (quirky); the postnorm exit at layer 1 always stays."""
+    from .conftest import tiny_costs
+
+    model = tiny_llama(3)
+    ids = prompt(3, 8)
+    expected = model.generate(ids, max_new_tokens=24, do_sample=False)
+    adapters = {3: "residual_block"}
+    router = EarlyExitRouter.from_model(model, exit_layers=EXITS, adapter="postnorm", exit_adapters=adapters,
+                                        policy="cost", ngram_tier=True, draft_vocab_size=48)  # fmt: skip
+    router.cost_model = tiny_costs()["quirky"]
+    decoder = router.decoder(mode="verify")
+    assert decoder.exits_left_out == [3] and decoder.exits == [1] and decoder.config.active_exit_layers == [1]
+    out = router.generate(ids, max_new_tokens=24, mode="verify")
+    assert torch.equal(out.sequences, expected)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+    assert out.stats.exits_left_out == [3] and "block exits left out (L3)" in out.stats.summary()
+    assert not any(d == 3 for d in out.depths)
+    # the exit stays where it pays: its prior at its break-even, cheaper passes, exit mode, the fixed policy
+    router.cost_model = tiny_costs()["flat"]  # breaks even at 0.47: the default prior (0.5) keeps it ...
+    assert router.decoder(mode="verify").exits == EXITS
+    assert router.decoder({"exit_acceptance_prior": 0.3}, mode="verify").exits_left_out == [3]  # ... 0.3 does not
+    router.cost_model = tiny_costs()["quirky"]
+    assert router.decoder({"exit_acceptance_prior": 0.9}, mode="verify").exits == EXITS
+    assert router.decoder(mode="exit").exits == EXITS
+    assert router.decoder({"policy": "fixed"}, mode="verify").exits == EXITS
+
+
 def pad_left(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(b, width) ids left-padded with 0, and their attention mask."""
     width = max(len(r) for r in rows)

@@ -72,7 +72,7 @@ from early_exit_router.models.compiled import compile_unsupported, say_eager
 from early_exit_router.routing.costs import CostModel
 from early_exit_router.routing.exit_rule import FULL_DEPTH, ExitRule
 from early_exit_router.routing.ngram import SuffixStore
-from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Plan, ProbeSchedule
+from early_exit_router.routing.policy import AcceptanceTracker, DraftPolicy, Plan, ProbeSchedule, without_idle_blocks
 
 BATCH_DESIGNS = ("synchronous", "per_row")
 
@@ -106,15 +106,17 @@ class Decoder(DecodeState):
             raise ValueError(f"Unknown batch_design {batch_design!r}: use one of {', '.join(BATCH_DESIGNS)}.")
         if batch_design == "per_row" and mode != "verify":
             raise ValueError("The per-row batch design is verify mode's: exit-mode batches run batch-synchronously.")
+        # A table that looks wrong (measured while other work held the CPU, say) is not drafted from: plain decoding.
+        found = costs.problems() if config.policy == "cost" and costs is not None else []
+        self.fallback = f"the cost model looks wrong ({'; '.join(found)})" if found else None
+        policy = config.policy == "cost" and costs is not None and not found
+        left_out = without_idle_blocks(config, heads, costs) if policy and mode == "verify" else (config, [])
+        config, self.exits_left_out = left_out  # verify mode: block exits whose drafts cannot pay from the start
         self.stack, self.heads, self.rule, self.config, self.mode = stack, heads, rule, config, mode
         self.costs, self.per_row, self.pad_token_id = costs, batch_design == "per_row", pad_token_id
         self.exits = config.consulted_exit_layers()
         self.full_layer = stack.num_layers - 1
         self.block_exits = [i for i, e in enumerate(self.exits) if needs_context(heads.adapter(e))]
-        # A table that looks wrong (measured while other work held the CPU, say) is not drafted from: plain decoding.
-        found = costs.problems() if config.policy == "cost" and costs is not None else []
-        self.fallback = f"the cost model looks wrong ({'; '.join(found)})" if found else None
-        policy = config.policy == "cost" and costs is not None and not found
         self.policy = DraftPolicy.for_config(costs, config, heads) if policy else None
         self.suffix = SuffixDrafter(config, store if config.ngram_tier else None)
         self.exit_drafter = ExitDrafter(stack, heads, config, self.exits)

@@ -133,6 +133,7 @@ class DecodeState:
     block_exits: list[int]  # indices into `exits` whose adapter is a block with a context of its own
     policy: DraftPolicy | None  # the cost policy (None: the fixed cascade, or plain decoding under `fallback`)
     fallback: str | None  # why this decode runs plainly (a cost table that looks wrong), else None
+    exits_left_out: list[int]  # verify mode: block exits whose drafts cannot pay from the start (not consulted)
     suffix: SuffixDrafter
     exit_drafter: ExitDrafter
     adapted: AdaptedDrafter | None  # verify mode's adapted draft path (`adapted_draft.py`), when the router has one

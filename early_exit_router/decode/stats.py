@@ -79,6 +79,9 @@ class GenerationStats:
     policy_estimates: dict[str, float] = field(default_factory=dict)
     asks_skipped: dict[int, int] = field(default_factory=dict)  # exit mode, cost policy: exit layer -> tokens not asked
     fallback: str | None = None  # why the decode ran plainly (no draft, no exit) where it did, else None
+    # verify mode, cost policy: block exits left out, their drafts not paying at their starting estimate (a block's
+    # layer runs on every step, drafting or not: `policy.without_idle_blocks`)
+    exits_left_out: list[int] = field(default_factory=list)
     mode: str = "exit"
     num_layers: int = 0
 
@@ -106,8 +109,10 @@ class GenerationStats:
             if self.draft_acceptance is not None
             else "no draft judged"
         )
+        left_out = ", ".join(f"L{e}" for e in self.exits_left_out)
         return "\n".join(
             ([f"decoded plainly: {self.fallback}"] if self.fallback else [])
+            + ([f"block exits left out ({left_out}): drafts from them do not pay at their prior"] if left_out else [])
             + ([f"exits stopped: {self.exits_suspended}"] if self.exits_suspended else [])
             + [
                 f"mode {self.mode}: {self.new_tokens} new tokens in {self.wall_time_s:.2f} s "
@@ -402,6 +407,7 @@ def combined_stats(rows: list[GenerationStats], one_after_another: bool = False)
         threshold_shift=longest.threshold_shift,
         monitor_warned=any(r.monitor_warned for r in rows),
         fallback=longest.fallback,
+        exits_left_out=longest.exits_left_out,
         output_agreement=output_agreement,
         exits_suspended=next((r.exits_suspended for r in rows if r.exits_suspended), None),
         mode=longest.mode,
@@ -456,6 +462,7 @@ def decode_stats(dec: Any, row: Any) -> GenerationStats:
                       threshold_shift=dec.routing.threshold_shift,
                       policy_estimates=estimates, asks_skipped=skipped, fallback=dec.fallback)  # fmt: skip
     stats.exits_suspended = dec.routing.exits_suspended
+    stats.exits_left_out = list(dec.exits_left_out)
     stats.compile_s = compiled_seconds(dec.stack) - row.compiling_from
     fraction = dec.config.check_fraction if dec.config.check_agreement else 0.0
     if dec.mode == "exit" and new and fraction > 0:
