@@ -403,9 +403,9 @@ def without_idle_blocks(config: Any, heads: Any, costs: CostModel) -> tuple[Any,
     """Verify mode under the cost policy: `config` less the consulted block exits whose drafts do not pay at the
     acceptance their estimates start from, and those exit layers.
 
-    Another exit costs only where it is asked; a block adapter's costs every step, drafting or not: its layer runs
-    over every position, and the layer range splits at its exit (compiled on a 2-core CPU, SmolLM2's L16 block made
-    every step about 7% dearer). An exit whose drafts do not beat plain decoding at its starting estimate
+    Another exit costs only where it is asked; a block adapter's exit costs every step, drafting or not: its layer
+    runs over every position, and the layer range splits at its exit (compiled on a 2-core CPU, SmolLM2's L16 block
+    made every step about 7% dearer). An exit whose drafts do not beat plain decoding at its starting estimate
     (`exit_acceptance_prior`, else `acceptance_prior`) would pay that for its probes alone, so it sits out, as block
     exits do in batches; a prior at or above its break-even keeps it."""
     policy = DraftPolicy.for_config(costs, config, heads)
