@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 
 import pytest
@@ -746,3 +748,93 @@ def test_a_compiled_arm_is_prepared_and_warmed_up_with_the_compute_meter_off(mon
     # the compiled default's exits against its own compiled n-gram tier, from the same run
     assert "router verify, n-gram tier only, compiled" in [arm.name for arm in result.arms]
     assert "Exits added in verify mode, compiled: " in result.markdown()
+
+
+class FakeLlama:
+    """`llama_cpp.Llama` as the bench calls it, decoding greedily with a copy of the tiny model (so its outputs equal
+    plain HF's), and recording how it was built and called."""
+
+    model = None  # the copy it decodes with
+    made: list[FakeLlama] = []
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs, self.resets, self.calls = kwargs, 0, []
+        FakeLlama.made.append(self)
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+    def generate(self, tokens, **sampling):
+        self.calls.append((list(tokens), sampling, self.resets))
+        ids = torch.tensor([tokens])
+        while True:
+            with torch.no_grad():
+                token = int(self.model(ids).logits[0, -1].argmax())
+            yield token
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+
+
+def fake_llama_cpp(monkeypatch) -> None:
+    """An installed llama-cpp-python, as far as the bench can tell."""
+    import importlib.machinery
+    import sys
+    import types
+
+    module = types.ModuleType("llama_cpp")
+    module.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    module.Llama, module.__version__ = FakeLlama, "0.0-test"
+    monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    monkeypatch.setattr(FakeLlama, "made", [])
+
+
+def test_llama_cpp_runs_the_same_gguf_greedily_as_a_reference_arm_where_it_is_installed(tmp_path, monkeypatch):
+    from early_exit_router.bench.arms import build_arms
+    from early_exit_router.bench.llama_cpp_arm import LLAMA_CPP
+
+    router = tiny_router()
+    cfg = BenchConfig(max_new_tokens=6, thresholds=(), modes=("verify",), ngram=False, fixed_cascade=False,
+                      prompt_lookup_num_tokens=0, assistant_early_exit=(), hf_compiled=False, compiled=False,
+                      warmup=False, repeats=1)  # fmt: skip
+    assert LLAMA_CPP not in [a.name for a in build_arms(router, cfg)]  # a base from no GGUF file
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    router.name_or_path = str(gguf)
+    if importlib.util.find_spec("llama_cpp") is None:  # not installed: no arm
+        assert LLAMA_CPP not in [a.name for a in build_arms(router, cfg)]
+    fake_llama_cpp(monkeypatch)
+    FakeLlama.model = tiny_llama(0)
+    assert [a.name for a in build_arms(router, cfg)][:2] == [CONTROL, LLAMA_CPP]
+    for off in ({"llama_cpp": False}, {"temperature": 0.7}):  # turned off, or sampling (its sampler is its own)
+        assert LLAMA_CPP not in [a.name for a in build_arms(router, dataclasses.replace(cfg, **off))]
+    result = run_bench(router, PROMPTS[:2], cfg, progress=False)
+    (llm,) = FakeLlama.made  # loaded once, for the run's longest call
+    longest = max(router.encode(p["prompt"], chat=p["kind"] == "chat").shape[1] for p in PROMPTS[:2])
+    assert llm.kwargs["model_path"] == str(gguf) and llm.kwargs["n_ctx"] == longest + 6
+    assert llm.kwargs["n_threads"] == torch.get_num_threads() and llm.kwargs["n_gpu_layers"] == 0
+    assert [resets for *_, resets in llm.calls] == [1, 2]  # nothing kept from the run before
+    assert all(s["temp"] == 0.0 and s["top_k"] == 1 for _, s, _ in llm.calls)
+    row = {r["arm"]: r for r in result.summary if r["category"] == "all"}[LLAMA_CPP]
+    assert row["identical"] == row["runs"] == 2
+    runs = [r for r in result.records if r.arm == LLAMA_CPP]
+    assert all(len(r.new_ids) == 6 and r.compute_ratio is None and r.inter_token_s for r in runs)
+    assert llm.closed  # freed by the bench, not left to interpreter shutdown
+    assert result.meta["llama_cpp"] == f"llama-cpp-python 0.0-test, tiny.gguf, {torch.get_num_threads()} threads"
+    assert LLAMA_CPP in result.markdown()
+    result.plot(tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_the_llama_cpp_runner_stops_after_an_end_token_as_hf_does(tmp_path, monkeypatch):
+    from early_exit_router.bench.llama_cpp_arm import LlamaCppRunner
+
+    fake_llama_cpp(monkeypatch)
+    FakeLlama.model = tiny_llama(0)
+    runner = LlamaCppRunner(tmp_path / "tiny.gguf", 64, 1)
+    ids = torch.tensor([[5, 6, 7]])
+    free, _ = runner.generate(ids, 8, eos=())
+    tokens, times = runner.generate(ids, 8, eos=[free[2]])
+    assert tokens == free[: free.index(free[2]) + 1] and len(times) == len(tokens)  # the end token kept
+    assert times == sorted(times)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from early_exit_router.bench.llama_cpp_arm import LLAMA_CPP, llama_cpp_source
 from early_exit_router.models.compiled import compile_unsupported
 
 CONTROL = "plain HF generate"
@@ -19,7 +20,8 @@ HF_COMPILED = "HF static cache + torch.compile"
 
 @dataclass
 class Arm:
-    """One way of generating. `kind`: 'plain' (HF generate with `hf_kwargs`) or 'router'."""
+    """One way of generating. `kind`: 'plain' (HF generate with `hf_kwargs`), 'router' or 'llama.cpp'
+    (`llama_cpp_arm.py`)."""
 
     name: str
     kind: str
@@ -50,6 +52,7 @@ class BenchConfig:
     # the repeat guard
     hf_compiled: bool = True  # the anchor arm: HF generate with a static cache and torch.compile (`HF_COMPILED`)
     compiled: bool = True  # where the router's passes compile: exits off and each mode's loaded config, compiled
+    llama_cpp: bool = True  # greedy runs, where llama-cpp-python is installed and the base came from a GGUF file
     warmup: bool = True
     # > 0: every arm samples at this temperature (no top-k or top-p), each prompt and repeat from one seed; the
     # outputs then differ between arms by chance, and speed is what compares
@@ -73,6 +76,8 @@ def build_arms(router: Any, cfg: BenchConfig, others: Sequence[str] = ()) -> lis
     arms = [Arm(CONTROL, "plain", family="control")]
     if cfg.hf_compiled:
         arms.append(Arm(HF_COMPILED, "plain", family="HF compiled", compiled=True))
+    if cfg.llama_cpp and cfg.temperature == 0 and llama_cpp_source(router) is not None:
+        arms.append(Arm(LLAMA_CPP, "llama.cpp", family="llama.cpp"))  # what a CPU user would run instead
     compiled = cfg.compiled and compile_unsupported(router.stack) is None
     no_drafts = {"active_exit_layers": [], "ngram_tier": False}  # the decode loop alone: every token plain
     if cfg.engine_control:

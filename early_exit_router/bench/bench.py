@@ -55,6 +55,7 @@ from early_exit_router.bench.arms import (  # noqa: F401 (the names the bench is
 )
 from early_exit_router.bench.compute import ComputeMeter
 from early_exit_router.bench.copy_ceiling import copy_ceilings
+from early_exit_router.bench.llama_cpp_arm import LlamaCppRunner, llama_cpp_source
 from early_exit_router.bench.prompts import encode_record, request_units
 from early_exit_router.bench.quality import score_quality
 from early_exit_router.bench.report import format_markdown, plot_tradeoff
@@ -77,12 +78,18 @@ class _Runner:
         self.temperature = temperature
         # HF's static cache, sized once for the run's longest call: one compiled decode step serves every call
         self.static_cache_len = max_new_tokens
+        self.llama_cpp: LlamaCppRunner | None = None  # loaded by the first llama.cpp arm's `prepare`
 
     def prepare(self, arm: Arm) -> None:
         """Before a run, outside its time and compute: under the cost policy the cost table is measured (or loaded)
         here, not inside a router run (before the first, and again when the timed steps no longer fit it: the
         machine's load changed); heads compared with the bench router's take its table (their own `cost_model`,
-        which the bench restores). A compiled arm's table is the compiled passes' own."""
+        which the bench restores). A compiled arm's table is the compiled passes' own. llama.cpp loads its model."""
+        if arm.kind == "llama.cpp" and self.llama_cpp is None:
+            gpu = self.device.type == "cuda"
+            self.llama_cpp = LlamaCppRunner(
+                llama_cpp_source(self.router), self.static_cache_len, torch.get_num_threads(), gpu
+            )
         if arm.kind != "router" or self.router.config.policy != "cost":
             return
         if self.costs_from is None:
@@ -111,6 +118,9 @@ class _Runner:
             out = router.generate(ids, self.max_new_tokens, mode=arm.mode, config=config, streamer=streamer,
                                   **sampling, **({"seed": seed} if sampling["do_sample"] else {}))  # fmt: skip
             new_ids, stats = out.sequences[0, n:].tolist(), out.stats.to_dict()
+        elif arm.kind == "llama.cpp":
+            new_ids, times = self.llama_cpp.generate(ids, self.max_new_tokens, router.eos_token_ids())
+            stats, streamer.arrivals = None, [(t, 1) for t in times]
         else:
             if sampling:
                 torch.manual_seed(seed)  # HF samples from the global generator
@@ -227,6 +237,9 @@ def run_bench(
             bar.close()
     finally:
         hf_logging.set_verbosity(verbosity)
+        for runner in runners.values():
+            if runner.llama_cpp is not None:
+                runner.llama_cpp.close()
         for label, other in others.items():
             other.cost_model = assigned[label]
     if reference is not None and not isinstance(reference, torch.nn.Module):
@@ -234,6 +247,8 @@ def run_bench(
     score_quality(router, prompts, encoded, records, reference, control_arm=CONTROL)
     meta = _meta(router, cfg, prompts)
     meta["compared_heads"] = {label: other.describe() for label, other in others.items()}
+    if runners[""].llama_cpp is not None:
+        meta["llama_cpp"] = runners[""].llama_cpp.describe()
     if router.config.policy == "cost" and router.config.ngram_tier:
         control = {r.prompt_id: (r.category, r.new_ids) for r in records if r.arm == CONTROL and r.repeat == 0}
         meta["copy_ceiling"] = copy_ceilings(prompts, encoded, control, units, router.costs(), router.config)
@@ -258,7 +273,7 @@ def _measure(
     count = meter.reset()
     decode_steps = len(new_ids) - 1
     compute = None
-    if decode_steps > 0 and not arm.compiled:
+    if decode_steps > 0 and not arm.compiled and arm.kind != "llama.cpp":  # llama.cpp's compute is not torch's
         decode_macs = count.total - meter.prefill_macs(ids.shape[1])
         compute = decode_macs / (decode_steps * meter.full_token_macs)
     ttft, gaps = latencies(arrivals)

@@ -77,6 +77,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "about a minute on 2 CPU cores); every table otherwise shows speedups over it beside those over plain HF.",
     )
     bench.add_argument(
+        "--no-llama-cpp",
+        action="store_true",
+        help="Skip the reference arm 'llama.cpp greedy, same GGUF', which greedy runs add where llama-cpp-python is "
+        "installed and the model came from a GGUF file (the file as llama.cpp runs it, weights in their own format).",
+    )
+    bench.add_argument(
         "--no-compiled",
         action="store_true",
         help="Skip the router's compiled arms (exits off and each mode's loaded config with compile=True), which "
@@ -143,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         prompt_lookup_num_tokens=args.prompt_lookup,
         hf_compiled=not args.no_hf_compiled,
         compiled=not args.no_compiled,
+        llama_cpp=not args.no_llama_cpp,
         temperature=args.temperature,
     )
     for mode in cfg.modes:
