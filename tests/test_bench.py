@@ -809,6 +809,9 @@ def test_llama_cpp_runs_the_same_gguf_greedily_as_a_reference_arm_where_it_is_in
     assert [a.name for a in build_arms(router, cfg)][:2] == [CONTROL, LLAMA_CPP]
     for off in ({"llama_cpp": False}, {"temperature": 0.7}):  # turned off, or sampling (its sampler is its own)
         assert LLAMA_CPP not in [a.name for a in build_arms(router, dataclasses.replace(cfg, **off))]
+    router.adapted_from = (tmp_path,)  # an adapt-base folder's weights are not the file's
+    assert LLAMA_CPP not in [a.name for a in build_arms(router, cfg)]
+    router.adapted_from = None
     result = run_bench(router, PROMPTS[:2], cfg, progress=False)
     (llm,) = FakeLlama.made  # loaded once, for the run's longest call
     longest = max(router.encode(p["prompt"], chat=p["kind"] == "chat").shape[1] for p in PROMPTS[:2])

@@ -23,9 +23,9 @@ LLAMA_CPP = "llama.cpp greedy, same GGUF"
 
 
 def llama_cpp_source(router: Any) -> Path | None:
-    """The GGUF file llama.cpp runs for `router`'s base (None: llama-cpp-python is not installed, or the base did
-    not come from a GGUF file)."""
-    if importlib.util.find_spec("llama_cpp") is None:
+    """The GGUF file llama.cpp runs for `router`'s base (None: llama-cpp-python is not installed, the base did not
+    come from a GGUF file, or adapt-base changed its weights since)."""
+    if importlib.util.find_spec("llama_cpp") is None or getattr(router, "adapted_from", None):
         return None
     try:
         return source_gguf(str(router.name_or_path))
