@@ -20,6 +20,7 @@ from torch import nn
 from early_exit_router.config import RouterConfig
 from early_exit_router.config_checks import split_config
 from early_exit_router.decode import inputs
+from early_exit_router.decode.ask import warm_graphs
 from early_exit_router.decode.batch import batch_layout
 from early_exit_router.decode.loop import Decoder
 from early_exit_router.decode.output import GenerationOutput, run_rows_alone, run_to_end
@@ -46,7 +47,6 @@ from early_exit_router.heads.own_head import own_head_config
 from early_exit_router.integrations import hf_generate
 from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
-from early_exit_router.models.compiled import warm_passes
 from early_exit_router.models.discovery import stack_for
 from early_exit_router.models.loading import load_base_model, parse_dtype
 from early_exit_router.routing.costs import CostModel, chunk_widths, cost_key, cost_model_for, warm_widths
@@ -472,7 +472,7 @@ class EarlyExitRouter:
                 self.generate(ids, new_tokens, mode="verify", do_sample=False)
                 warm_widths(self.stack, widths := chunk_widths(self.config, self.costs))
                 if self.config.compile:  # the graphs too: a decode would compile each at its first use
-                    warm_passes(self.stack, widths)
+                    warm_graphs(self.stack, self.heads, self.config, widths)
             finally:
                 self._ngram_store, self.last_stats = store, last
 

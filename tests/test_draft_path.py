@@ -104,6 +104,8 @@ def test_each_draft_is_the_adapted_paths_own_prediction_after_any_rollback(tmp_p
     assert drafter.propose([0, 5], budget=0, threshold=0.0) == []
     high = drafter.propose([0, 5, 9], budget=5, threshold=1.0)  # nothing is that sure: no chain
     assert high == []
+    chain = drafter.propose([0, 7, 3], budget=3, threshold=0.0)
+    assert drafter.propose([0, 7, 3], budget=3, threshold=0.0, end_ids={chain[1]}) == chain[:2]  # ends at an end id
 
 
 def test_sampling_with_a_draft_path_is_plain_sampling(tmp_path):

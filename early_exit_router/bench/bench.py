@@ -61,9 +61,10 @@ from early_exit_router.bench.quality import score_quality
 from early_exit_router.bench.report import format_markdown, plot_tradeoff
 from early_exit_router.bench.summary import RunRecord, summarize
 from early_exit_router.bench.timing import ArrivalStreamer, latencies, peak_memory_mb, reset_peak_memory
+from early_exit_router.decode.ask import warm_graphs
 from early_exit_router.heads.checkpoint import base_identity
 from early_exit_router.models import _compat
-from early_exit_router.models.compiled import MAX_WIDTH, warm_passes
+from early_exit_router.models.compiled import MAX_WIDTH
 from early_exit_router.routing.costs import cpu_model
 
 
@@ -224,7 +225,9 @@ def run_bench(
                         runners[arm.heads].prepare(arm)  # a compiled arm's cost table is measured on its graphs
                         runners[arm.heads].run(arm, longest if arm.compiled else encoded[0][:, :8])
                         if arm.compiled and arm.kind == "router":  # widths the warm-up's decode did not run
-                            warm_passes(runners[arm.heads].router.stack, range(1, MAX_WIDTH + 1))
+                            router = runners[arm.heads].router  # and the asks of the arm's own exits
+                            config = router.config.replace(**arm.overrides)
+                            warm_graphs(router.stack, router.heads, config, range(1, MAX_WIDTH + 1))
             bar = tqdm(total=cfg.repeats * len(prompts) * len(arms), disable=not progress, desc="bench", unit="run")
             for repeat in range(cfg.repeats):
                 for u_idx, unit in enumerate(units):

@@ -9,6 +9,7 @@ draft or a token the full model chose, is simply fed again) and feeds the rest i
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -48,9 +49,12 @@ class AdaptedDrafter:
         del self.fed[count:]
 
     @torch.inference_mode()
-    def propose(self, tokens: list[int], budget: int, threshold: float) -> list[int]:
+    def propose(
+        self, tokens: list[int], budget: int, threshold: float, end_ids: Collection[int] = frozenset()
+    ) -> list[int]:
         """Up to `budget` tokens to follow `tokens` (the row's, prompt included): the draft head's greedy chain,
-        ending before the first token whose probability is below `threshold`."""
+        ending before the first token whose probability is below `threshold`, or at the first of `end_ids` (the row
+        stops there: a draft past it would only cost passes)."""
         shared = len(self.fed)
         if tokens[:shared] != self.fed:  # one comparison in the usual case: only the row's newest tokens are new
             pairs = enumerate(zip(self.fed, tokens))
@@ -70,5 +74,7 @@ class AdaptedDrafter:
                 break
             token = int(index) if self.draft is None else int(self.draft.token_ids[index])
             chain.append(token)
+            if token in end_ids:
+                break
             feed = [token]
         return chain

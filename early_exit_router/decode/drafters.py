@@ -118,11 +118,17 @@ class ExitDrafter:
         """(b,) the gate's probability for exit states `last` (b, hidden). A gate that weighs the context gets
         `context_features` (the n-gram tier's next token per row, -1 for none; the exit's acceptance estimate); a
         head gate also the head's `logits`."""
-        context, proposed = None, None
-        if ngram_tokens is not None and (getattr(gate, "uses_context", False) or uses_head(gate)):
-            context = context_features(ngram_tokens, acceptance, last.device)
-            proposed = torch.tensor(ngram_tokens, device=last.device)
+        context, proposed = self.gate_inputs(gate, last, ngram_tokens, acceptance)
         return gate_probability(gate, last, context, logits, proposed, self.draft, trimmed).reshape(-1)
+
+    @staticmethod
+    def gate_inputs(
+        gate: torch.nn.Module, last: torch.Tensor, ngram_tokens: list[int] | None, acceptance: float
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A gate's context features (b, 2) and the n-gram tier's tokens (b,), where it reads them (else None)."""
+        if ngram_tokens is None or not (getattr(gate, "uses_context", False) or uses_head(gate)):
+            return None, None
+        return context_features(ngram_tokens, acceptance, last.device), torch.tensor(ngram_tokens, device=last.device)
 
     @staticmethod
     def needs_context(gate: Any) -> bool:

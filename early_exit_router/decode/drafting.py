@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from early_exit_router.decode.ask import every_row, fused_ask, fuses
 from early_exit_router.decode.drafters import NGRAM_LAYER
 from early_exit_router.decode.emit import append, choose, embed
 from early_exit_router.decode.state import DecodeState, Draft, Row, VerifyCycle
@@ -94,25 +95,32 @@ def try_exit(
         if not allowed:
             return False
     trimmed = asks_trimmed(dec)
-    logits = dec.exit_drafter.logits(i, last, dec.fill.blocks, trimmed)  # (b, vocab), trimmed (b, K)
     # Greedy: choose before deciding, so that one host sync fetches the decision and the tokens together.
     # Sampling: draw only once the tokens exit (each position's noise is its own, drawn when first needed).
     sampling = any(row.selector.params.do_sample for row in dec.rows)
-    if trimmed:
-        tokens = trimmed_top1(logits, dec.exit_drafter.draft_ids)
-    else:
-        tokens = None if sampling else choose(dec, q + 1, logits)
     chosen: list[float] = []
     ranked: list[float] = []
-    alternatives = alternatives if tokens is not None and len(dec.rows) == 1 else 0
+    alternatives = alternatives if (trimmed or not sampling) and len(dec.rows) == 1 else 0
+    t0 = time.perf_counter()
+    fused = fuses(dec, i, target, trimmed)
+    if fused:  # the whole ask as one function (one graph when compiled), booked as routing with its head
+        logits, tokens, signals = fused_ask(dec, i, last, threshold, alternatives, gate_inputs_at(dec, i, last))
+        ok, low, *chosen = signals.tolist()
+    else:
+        logits = dec.exit_drafter.logits(i, last, dec.fill.blocks, trimmed)  # (b, vocab), trimmed (b, K)
+        if trimmed:
+            tokens = trimmed_top1(logits, dec.exit_drafter.draft_ids)
+        else:
+            tokens = None if sampling else choose(dec, q + 1, logits)
     if target is None:
-        t0 = time.perf_counter()
-        ok, confidence = exit_flags(dec, i, last, logits, False, threshold, trimmed)[1:]
-        signals = [ok.double(), confidence.double()] + ([] if tokens is None else list(tokens.double()))
-        if alternatives:  # fetched in the same host sync
-            ranks = logits[0].topk(alternatives + 1).indices
-            signals += list((dec.exit_drafter.draft_ids[ranks] if trimmed else ranks).double())
-        ok, low, *chosen = torch.stack(signals).tolist()
+        if not fused:
+            t0 = time.perf_counter()
+            ok, confidence = exit_flags(dec, i, last, logits, False, threshold, trimmed)[1:]
+            signals = [ok.double(), confidence.double()] + ([] if tokens is None else list(tokens.double()))
+            if alternatives:  # fetched in the same host sync
+                ranks = logits[0].topk(alternatives + 1).indices
+                signals += list((dec.exit_drafter.draft_ids[ranks] if trimmed else ranks).double())
+            ok, low, *chosen = torch.stack(signals).tolist()
         if alternatives:
             chosen, ranked = chosen[: -(alternatives + 1)], chosen[-(alternatives + 1) :]
         # The shallow heads copy an earlier item ("1. Monday 2. Monday"): where an exited token may reach the caller
@@ -212,11 +220,7 @@ def exit_flags(
     if with_gate and gate is not None and learned is None:
         flags = flags & dec.rule.gate_allows(gate_probability_at(dec, i, gate, last))
     active = _active(dec)
-    if active is None:
-        return flags, flags.all(), confidence.min()
-    on = torch.tensor(active, device=flags.device)
-    low = confidence[on].min() if any(active) else confidence.new_ones(())
-    return flags, (flags | ~on).all(), low
+    return flags, *every_row(flags, confidence, None if active is None else torch.tensor(active, device=flags.device))
 
 
 def gate_probability_at(
@@ -231,6 +235,15 @@ def gate_probability_at(
     tokens = [ngram_token(dec, row) for row in dec.rows] if dec.exit_drafter.needs_context(gate) else None
     agreement = dec.tracker.estimate(("agree", i))
     return dec.exit_drafter.gate_probability(gate, last, tokens, agreement, logits, trimmed)
+
+
+def gate_inputs_at(dec: DecodeState, i: int, last: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Exit `i`'s gate's context features and n-gram tokens for the current slot (None where it reads none)."""
+    gate = dec.exit_drafter.gate(i)
+    if gate is None or not dec.exit_drafter.needs_context(gate):
+        return None, None
+    tokens = [ngram_token(dec, row) for row in dec.rows]
+    return dec.exit_drafter.gate_inputs(gate, last, tokens, dec.tracker.estimate(("agree", i)))
 
 
 def _deciding(dec: DecodeState) -> list[tuple[list[int], int]]:
@@ -357,7 +370,8 @@ def draft_chain(dec: DecodeState) -> bool:
     """The adapted draft path's chain in a cascade step (one sequence), drafted like the n-gram tier's copies: the
     model verifies it from its embeddings in the next step's pass (`chained`)."""
     row = dec.rows[0]
-    chain = dec.adapted.propose(row.tokens, draft_budget(dec, row), dec.config.draft_path_threshold)
+    budget, threshold = draft_budget(dec, row), dec.config.draft_path_threshold
+    chain = dec.adapted.propose(row.tokens, budget, threshold, row.request.eos_token_ids)
     if not chain:
         return False
     at = dec.draft_path.exit_layer

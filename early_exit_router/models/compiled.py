@@ -141,6 +141,9 @@ class CompiledLayers:
         self._prep = torch.compile(_range_inputs, **kwargs)
         self._layers = torch.compile(_layers_pass, **kwargs)
         self._head = torch.compile(_head_pass, **kwargs)
+        self._kwargs = kwargs
+        self._graphs: dict[Any, Any] = {}  # other functions run as graphs (`call`), by function
+        self._broken: dict[Any, str] = {}  # those that failed to compile, and why
         self._seen: set[tuple] = set()  # (graph, shape) pairs already compiled
 
     def serves(self, hidden: torch.Tensor, attention_mask: Any) -> bool:
@@ -211,6 +214,22 @@ class CompiledLayers:
             self._fail(error)
             return None
 
+    def call(self, function: Any, shape: tuple, *args: Any) -> Any:
+        """`function(*args)` as a graph compiled as the passes are (its first call of `shape` timed as compiling), or
+        None where it does not compile: the caller runs it eagerly then, and from then on (logged once)."""
+        if self.failed is not None or function in self._broken:
+            return None
+        graph = self._graphs.get(function)
+        if graph is None:
+            graph = self._graphs[function] = torch.compile(function, **self._kwargs)
+        try:
+            with torch._dynamo.config.patch(**_DYNAMO):
+                return self._call(graph, shape, *args)
+        except Exception as error:  # noqa: BLE001 (any compiler failure: the eager function is always there)
+            self._broken[function] = reason = _reason(error)
+            logger.warning("early-exit-router: %s did not compile (%s); it runs eagerly", function.__name__, reason)
+            return None
+
     def _products(self, linears: Sequence[nn.Module], rows: int) -> Any:
         """The scope in which the graphs over `linears` take their products from the packed copies."""
         return graph_products.products_from_packed(self._packed, linears, rows)
@@ -230,8 +249,13 @@ class CompiledLayers:
         return out
 
     def _fail(self, error: Exception) -> None:
-        self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        self.failed = _reason(error)
         logger.warning("early-exit-router: compiled passes failed (%s); eager passes from now on", self.failed)
+
+
+def _reason(error: Exception) -> str:
+    """A compiler error in one line, for the log."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def graph_shape(q: int) -> int | str | None:

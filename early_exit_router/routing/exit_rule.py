@@ -146,12 +146,18 @@ class ExitRule:
             entropy = entropy / self.log_vocab
         return probs.amax(dim=-1), entropy
 
-    def exit_rule(self, confidence: torch.Tensor, entropy: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
-        """The confidence -> entropy cascade as a bool tensor; `shift` moves both confidence thresholds."""
+    def exit_rule(
+        self, confidence: torch.Tensor, entropy: torch.Tensor, shift: float = 0.0, bars: Any = None
+    ) -> torch.Tensor:
+        """The confidence -> entropy cascade as a bool tensor; `shift` moves both confidence thresholds. `bars`: the
+        (high, low) thresholds already shifted (`bars`), as 0-d tensors in a graph (a float there is a constant)."""
+        high, low = self.bars(shift) if bars is None else bars
+        return (confidence >= high) | ((confidence >= low) & (entropy <= self.config.entropy_threshold))
+
+    def bars(self, shift: float = 0.0) -> tuple[float, float]:
+        """The (high, low) confidence thresholds, moved by `shift` and clamped to [0, 1]."""
         cfg = self.config
-        high = min(1.0, max(0.0, cfg.high_conf_threshold + shift))
-        low = min(1.0, max(0.0, cfg.low_conf_threshold + shift))
-        return (confidence >= high) | ((confidence >= low) & (entropy <= cfg.entropy_threshold))
+        return min(1.0, max(0.0, cfg.high_conf_threshold + shift)), min(1.0, max(0.0, cfg.low_conf_threshold + shift))
 
     def head_signal(
         self,
@@ -159,21 +165,23 @@ class ExitRule:
         shift: float = 0.0,
         learned: torch.Tensor | None = None,
         columns: torch.Tensor | None = None,
+        bars: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., vocab) head logits -> (exit flags, confidences) of shape (...), on the logits' device (no sync).
 
         `learned`, a head gate's P(agree) of shape (...), replaces the maximum probability as the confidence the
         thresholds compare (the entropy rule still reads the logits, where it can decide anything). `columns`: the
-        only finite logits' ids (a trimmed draft head's), read alone: the same values at K / vocab of the cost."""
+        only finite logits' ids (a trimmed draft head's), read alone: the same values at K / vocab of the cost.
+        `bars`: the shifted thresholds in place of `shift` (`exit_rule`)."""
         if learned is not None and not self.entropy_decides:  # no softmax at all: the learned confidence decides
             confidence = learned.reshape(logits.shape[:-1]).float()
-            return self.exit_rule(confidence, torch.zeros_like(confidence), shift), confidence
+            return self.exit_rule(confidence, torch.zeros_like(confidence), shift, bars), confidence
         if columns is not None:
             logits = logits.index_select(-1, columns)  # (..., K)
         confidence, entropy = self.confidence_entropy(logits)
         if learned is not None:
             confidence = learned.reshape(confidence.shape).float()
-        return self.exit_rule(confidence, entropy, shift), confidence
+        return self.exit_rule(confidence, entropy, shift, bars), confidence
 
     @property
     def entropy_decides(self) -> bool:
