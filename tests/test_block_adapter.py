@@ -157,6 +157,13 @@ def test_verify_mode_leaves_out_a_block_exit_whose_drafts_do_not_pay_at_its_star
     assert router.decoder({"exit_acceptance_prior": 0.9}, mode="verify").exits == EXITS
     assert router.decoder(mode="exit").exits == EXITS
     assert router.decoder({"policy": "fixed"}, mode="verify").exits == EXITS
+    # a block exit's break-even is its own: priced alone (as `without_idle_blocks` does), as among every exit
+    from early_exit_router.routing.policy import DraftPolicy
+
+    for costs in tiny_costs().values():
+        every = DraftPolicy.for_config(costs, router.config, router.heads)
+        alone = DraftPolicy.for_config(costs, router.config.replace(active_exit_layers=[3]), router.heads)
+        assert alone.draft_break_even(0) == every.draft_break_even(EXITS.index(3))
 
 
 def pad_left(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

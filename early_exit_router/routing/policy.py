@@ -408,9 +408,17 @@ def without_idle_blocks(config: Any, heads: Any, costs: CostModel) -> tuple[Any,
     made every step about 7% dearer). An exit whose drafts do not beat plain decoding at its starting estimate
     (`exit_acceptance_prior`, else `acceptance_prior`) would pay that for its probes alone, so it sits out, as block
     exits do in batches; a prior at or above its break-even keeps it."""
-    policy = DraftPolicy.for_config(costs, config, heads)
+    from early_exit_router.heads.adapters import needs_context
+
+    consulted = config.consulted_exit_layers()
+    blocks = [e for e in consulted if needs_context(heads.adapter(e))]
+    if not blocks:
+        return config, []
+    # an exit's break-even depends on its own costs alone: a policy over the block exits prices them as the
+    # decoder's policy over every exit would, for less than building that one twice
+    policy = DraftPolicy.for_config(costs, config.replace(active_exit_layers=blocks), heads)
     prior = config.exit_acceptance_prior if config.exit_acceptance_prior is not None else config.acceptance_prior
-    idle = [e for i, e in enumerate(policy.exit_layers) if policy.has_block[i] and policy.draft_break_even(i) > prior]
+    idle = [e for i, e in enumerate(policy.exit_layers) if policy.draft_break_even(i) > prior]
     if not idle:
         return config, []
-    return config.replace(active_exit_layers=[e for e in policy.exit_layers if e not in idle]), idle
+    return config.replace(active_exit_layers=[e for e in consulted if e not in idle]), idle
