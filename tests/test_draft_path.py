@@ -105,7 +105,26 @@ def test_each_draft_is_the_adapted_paths_own_prediction_after_any_rollback(tmp_p
     high = drafter.propose([0, 5, 9], budget=5, threshold=1.0)  # nothing is that sure: no chain
     assert high == []
     chain = drafter.propose([0, 7, 3], budget=3, threshold=0.0)
-    assert drafter.propose([0, 7, 3], budget=3, threshold=0.0, end_ids={chain[1]}) == chain[:2]  # ends at an end id
+    assert drafter.propose([0, 7, 3], budget=3, threshold=0.0, end_ids={chain[0]}) == chain[:1]  # ends at an end id
+
+
+def test_a_draft_paths_chain_ends_at_the_requests_end_token(tmp_path, monkeypatch):
+    folder, _ = draft_path_folder(tmp_path, strength=0.3)
+    router = EarlyExitRouter.from_pretrained(folder, warm_up=False)
+    ends, propose = [], AdaptedDrafter.propose
+
+    def recorded(self, tokens, budget, threshold, end_ids=frozenset()):
+        ends.append(set(end_ids))
+        return propose(self, tokens, budget, threshold, end_ids)
+
+    monkeypatch.setattr(AdaptedDrafter, "propose", recorded)
+    ids = torch.tensor([[0, 5, 9, 14, 3, 7]])
+    out = router.generate(
+        ids, max_new_tokens=20, mode="verify", eos_token_id=[61, 62], config={"draft_path_threshold": 0.0}
+    )
+    assert ends and all(end == {61, 62} for end in ends)
+    expected = tiny_llama(0).generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=[61, 62])
+    assert torch.equal(out.sequences, expected)
 
 
 def test_sampling_with_a_draft_path_is_plain_sampling(tmp_path):

@@ -34,18 +34,19 @@ def ask_signals(
     gate: torch.nn.Module | None,
     rule: Any,
     last: torch.Tensor,
-    bars: torch.Tensor,
+    bars: torch.Tensor | tuple[float, float, float],
     context: torch.Tensor | None,
     proposed: torch.Tensor | None,
     active: torch.Tensor | None,
     alternatives: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One greedy ask of an exit for (b, hidden) exit states `last`: ((b, K) trimmed logits, (b,) top-1 ids,
-    signals). `bars`: (3,) the exit rule's shifted (high, low) thresholds and a per-token threshold that also lets a
-    token draft (`NO_THRESHOLD`: none). `context`/`proposed`: a head gate's context features (b, 2) and n-gram tokens
-    (b,). `active`: (b,) which rows still decide (None: all). Signals, float64 for one host sync: whether every
-    deciding row may leave, the lowest confidence among them, each row's token, then the first row's
-    `alternatives` + 1 best ids where `alternatives` (an exit tree's)."""
+    signals). `bars`: the exit rule's shifted (high, low) thresholds and a per-token threshold that also lets a token
+    draft (`NO_THRESHOLD`: none), a (3,) tensor in a graph, floats where the function runs eagerly.
+    `context`/`proposed`: a head gate's context features (b, 2) and n-gram tokens (b,). `active`: (b,) which rows
+    still decide (None: all). Signals, float64 for one host sync: whether every deciding row may leave, the lowest
+    confidence among them, each row's token, then the first row's `alternatives` + 1 best ids where `alternatives`
+    (an exit tree's)."""
     logits = draft_logits(stack, adapter, draft, last, trimmed=True)  # (b, K)
     tokens = trimmed_top1(logits, draft.token_ids)
     learned = None
@@ -105,14 +106,18 @@ def _run(
     active: torch.Tensor | None,
     alternatives: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    high, low, threshold = bars
-    bars_tensor = torch.tensor([high, low, NO_THRESHOLD if threshold is None else threshold], device=last.device)
-    # a contiguous copy: a slice of a wider chunk has strides the graph's guards would take for another shape
-    last = last.clone(memory_format=torch.contiguous_format)
-    args = (stack, drafter.heads.adapter(drafter.exits[i]), drafter.draft, drafter.gate(i), rule, last, bars_tensor,
-            *gate_inputs, active, alternatives)  # fmt: skip
-    if drafter.config.compile and compiles_here(stack):
-        key = ("ask", drafter.exits[i], last.shape[0], alternatives, active is None)
+    high, low, threshold = bars[0], bars[1], NO_THRESHOLD if bars[2] is None else bars[2]
+    args = [stack, drafter.heads.adapter(drafter.exits[i]), drafter.draft, drafter.gate(i), rule, last,
+            (high, low, threshold), *gate_inputs, active, alternatives]  # fmt: skip
+    # One sequence's asks alone: a batch's rows join and leave, each batch size and row mask would be a graph (its
+    # passes run eagerly too)
+    if drafter.config.compile and last.shape[0] == 1 and compiles_here(stack):
+        args[5] = last.clone(memory_format=torch.contiguous_format)  # a slice's strides: another shape to the guards
+        args[6] = torch.tensor([high, low, threshold], device=last.device)  # a float would be a constant there
+        # everything the graph specialises on, so that a new graph is timed as compiling where it is one
+        entropy = (rule.entropy_decides, rule.config.entropy_threshold, rule.config.entropy_normalized)
+        key = ("ask", drafter.exits[i], alternatives, active is None, gate_inputs[0] is None, *entropy,
+               tuple(drafter.draft.weight.shape))  # fmt: skip
         out = compiled_layers(stack).call(ask_signals, key, *args)
         if out is not None:
             return out

@@ -16,6 +16,7 @@ from early_exit_router.decode.ask import every_row, fused_ask, fuses
 from early_exit_router.decode.drafters import NGRAM_LAYER
 from early_exit_router.decode.emit import append, choose, embed
 from early_exit_router.decode.state import DecodeState, Draft, Row, VerifyCycle
+from early_exit_router.decode.stats import compiled_seconds
 from early_exit_router.heads.draft import trimmed_top1
 from early_exit_router.heads.gates import uses_head
 from early_exit_router.routing.exit_rule import guards_repeats
@@ -104,8 +105,10 @@ def try_exit(
     t0 = time.perf_counter()
     fused = fuses(dec, i, target, trimmed)
     if fused:  # the whole ask as one function (one graph when compiled), booked as routing with its head
+        compiling = compiled_seconds(dec.stack)
         logits, tokens, signals = fused_ask(dec, i, last, threshold, alternatives, gate_inputs_at(dec, i, last))
         ok, low, *chosen = signals.tolist()
+        t0 += compiled_seconds(dec.stack) - compiling  # a first call's compiling is booked in compile_s
     else:
         logits = dec.exit_drafter.logits(i, last, dec.fill.blocks, trimmed)  # (b, vocab), trimmed (b, K)
         if trimmed:

@@ -190,7 +190,7 @@ class PassCounters:
     deep_passes: int = 0  # decode-time passes through the last layer
     fill_positions: int = 0  # positions those passes ran
     forced: int = 0  # deep passes forced by the window rules
-    routing_s: float = 0.0  # time spent in routing decisions (gates, signals, their host syncs)
+    routing_s: float = 0.0  # time spent in routing decisions (gates, signals, their host syncs; a fused ask's head)
     plain_steps: int = 0  # cost policy: steps decoded plainly
     probes: int = 0  # cost policy: plain steps that scored the exits' draft heads
     plan_counts: dict[str, int] = field(default_factory=dict)  # cost policy: draft cycles per plan
