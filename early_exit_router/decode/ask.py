@@ -1,7 +1,7 @@
 """An exit's greedy ask as one function of tensors: its adapter, the final norm, the trimmed draft head, the head gate,
 the top-1 token, the exit rule and the rows' combined decision (`ask_signals`). Eager decodes call it as it is;
-compiled ones (`RouterConfig.compile`) run it as one graph (`CompiledLayers.call`), so an ask is one graph call and
-one host sync instead of some forty small operators, each with its own dispatch.
+compiled decodes of one sequence (`RouterConfig.compile`) run it as one graph (`CompiledLayers.call`), so an ask is
+one graph call and one host sync instead of some forty small operators, each with its own dispatch.
 
 It serves the ask `drafting.try_exit` makes most often: greedy rows at the trimmed head's K columns (`asks_trimmed`),
 an exit without a block adapter and without a gate that runs before the head. Other asks run `exit_flags` eagerly.
@@ -106,6 +106,7 @@ def _run(
     active: torch.Tensor | None,
     alternatives: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ask_signals` for exit `i` of `drafter`, as a graph where one sequence's asks compile, else eagerly."""
     high, low, threshold = bars[0], bars[1], NO_THRESHOLD if bars[2] is None else bars[2]
     args = [stack, drafter.heads.adapter(drafter.exits[i]), drafter.draft, drafter.gate(i), rule, last,
             (high, low, threshold), *gate_inputs, active, alternatives]  # fmt: skip
