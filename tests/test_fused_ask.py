@@ -101,9 +101,9 @@ def test_compiled_decodes_ask_as_one_graph_and_decide_as_step_by_step_asks(mode,
 
     monkeypatch.setattr(DraftPolicy, "observe_ask", lambda self, i, ms: None)  # asks priced alike: no timing
     ids = prompt(3, 8)
-    runs, fuses = {}, drafting.fuses
+    runs, fusable = {}, drafting.fusable
     for arm in ("step by step", "fused", "compiled"):
-        monkeypatch.setattr(drafting, "fuses", fuses if arm != "step by step" else lambda *args: False)
+        monkeypatch.setattr(drafting, "fusable", fusable if arm != "step by step" else lambda *args: False)
         router = gated_router(compile=arm == "compiled", ngram_tier=False, holdback=0)
         if arm == "compiled":
             warm_asks(router.stack, router.heads, router.config)

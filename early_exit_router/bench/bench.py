@@ -94,9 +94,20 @@ class _Runner:
         if arm.kind != "router" or self.router.config.policy != "cost":
             return
         if self.costs_from is None:
-            self.router.costs(config=self.router.config.replace(**arm.overrides))
+            self.router.costs(config=self.config(arm))
         else:
             self.router.cost_model = self.costs_from.costs(config=self.costs_from.config.replace(**arm.overrides))
+
+    def config(self, arm: Arm) -> Any:
+        """The router config `arm` runs: the runner's router's, with the arm's overrides (router.config is never
+        swapped)."""
+        return self.router.config.replace(**arm.overrides)
+
+    def warm_graphs(self, arm: Arm) -> None:
+        """A compiled router arm: compile now the graphs its decodes would compile at first use (the widths the
+        warm-up's decode did not run, the asks of the arm's own exits)."""
+        if arm.compiled and arm.kind == "router":
+            warm_graphs(self.router.stack, self.router.heads, self.config(arm), range(1, MAX_WIDTH + 1))
 
     def run(
         self, arm: Arm, ids: torch.Tensor, keep_store: bool = False, seed: int = 0
@@ -115,8 +126,7 @@ class _Runner:
             # stored: that is what the store is for.
             if not keep_store:
                 router.clear_ngram_store()
-            config = router.config.replace(**arm.overrides)  # per call: router.config is never swapped
-            out = router.generate(ids, self.max_new_tokens, mode=arm.mode, config=config, streamer=streamer,
+            out = router.generate(ids, self.max_new_tokens, mode=arm.mode, config=self.config(arm), streamer=streamer,
                                   **sampling, **({"seed": seed} if sampling["do_sample"] else {}))  # fmt: skip
             new_ids, stats = out.sequences[0, n:].tolist(), out.stats.to_dict()
         elif arm.kind == "llama.cpp":
@@ -224,10 +234,7 @@ def run_bench(
                     with meters[arm.heads].paused() if arm.compiled else nullcontext():
                         runners[arm.heads].prepare(arm)  # a compiled arm's cost table is measured on its graphs
                         runners[arm.heads].run(arm, longest if arm.compiled else encoded[0][:, :8])
-                        if arm.compiled and arm.kind == "router":  # widths the warm-up's decode did not run
-                            router = runners[arm.heads].router  # and the asks of the arm's own exits
-                            config = router.config.replace(**arm.overrides)
-                            warm_graphs(router.stack, router.heads, config, range(1, MAX_WIDTH + 1))
+                        runners[arm.heads].warm_graphs(arm)
             bar = tqdm(total=cfg.repeats * len(prompts) * len(arms), disable=not progress, desc="bench", unit="run")
             for repeat in range(cfg.repeats):
                 for u_idx, unit in enumerate(units):

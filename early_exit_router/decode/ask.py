@@ -71,11 +71,10 @@ def every_row(
     return (flags | ~active).all(), low
 
 
-def fuses(dec: DecodeState, i: int, target: int | None, trimmed: bool) -> bool:
-    """Whether exit `i`'s ask runs as `ask_signals`: a greedy ask at the trimmed head (`trimmed`), not a block's
-    decision (`target`), at an exit without a block adapter whose gate, if it has one, reads the head's output."""
-    gate = dec.exit_drafter.gate(i)
-    return trimmed and target is None and i not in dec.fill.blocks and (gate is None or uses_head(gate))
+def fusable(gate: torch.nn.Module | None, block: bool) -> bool:
+    """Whether an exit's greedy asks at the trimmed head run as `ask_signals`: an exit without a block adapter
+    (`block`) whose gate, if it has one, reads the head's output (a gate before the head decides first, eagerly)."""
+    return not block and (gate is None or uses_head(gate))
 
 
 def fused_ask(
@@ -86,13 +85,18 @@ def fused_ask(
     alternatives: int,
     gate_inputs: tuple[torch.Tensor | None, torch.Tensor | None],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exit `i`'s ask (`fuses`) for the current slot's exit states `last` (b, hidden), with its gate's (context
-    features, n-gram tokens): `ask_signals`, as a graph in compiled decodes (eagerly where the graph does not
-    compile here)."""
+    """Exit `i`'s greedy ask at the trimmed head (`fusable`) for the current slot's exit states `last` (b, hidden),
+    with its gate's (context features, n-gram tokens): `ask_signals`, as a graph in compiled decodes (eagerly where
+    the graph does not compile here)."""
+    bars = (*dec.rule.bars(dec.routing.threshold_shift), threshold)
+    active = deciding_rows(dec, last.device)
+    return _run(dec.stack, dec.exit_drafter, dec.rule, i, last, bars, gate_inputs, active, alternatives)
+
+
+def deciding_rows(dec: DecodeState, device: torch.device) -> torch.Tensor | None:
+    """(b,) bool on `device`: which rows still decide (None: all of them)."""
     rows = [not row.done for row in dec.rows]
-    active = None if all(rows) else torch.tensor(rows, device=last.device)
-    bars = dec.rule.bars(dec.routing.threshold_shift)
-    return _run(dec.stack, dec.exit_drafter, dec.rule, i, last, (*bars, threshold), gate_inputs, active, alternatives)
+    return None if all(rows) else torch.tensor(rows, device=device)
 
 
 def _run(
@@ -127,7 +131,7 @@ def _run(
 
 @torch.inference_mode()
 def warm_asks(stack: Any, heads: Any, config: RouterConfig) -> None:
-    """Compile now the ask graph of each exit whose greedy asks run as one (`fuses`), as a decode of one sequence
+    """Compile now the ask graph of each exit whose greedy asks run as one (`fusable`), as a decode of one sequence
     asks them (with and without an exit tree's alternatives), so that no decode compiles it at its first ask."""
     if not (config.compile and compiles_here(stack)):
         return
@@ -139,9 +143,9 @@ def warm_asks(stack: Any, heads: Any, config: RouterConfig) -> None:
     blocks = heads.context_exits()
     for i, layer in enumerate(drafter.exits):
         gate = drafter.gate(i)
-        if layer in blocks or (gate is not None and not uses_head(gate)):
+        if not fusable(gate, layer in blocks):
             continue
-        inputs = drafter.gate_inputs(gate, last, [-1], 0.5) if gate is not None else (None, None)
+        inputs = drafter.gate_inputs(gate, last, [-1], 0.5)  # as a context with no n-gram match gives them
         for alternatives in sorted({0, config.exit_branches}):
             _run(stack, drafter, rule, i, last, (*rule.bars(), None), inputs, None, alternatives)
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from early_exit_router.decode.ask import every_row, fused_ask, fuses
+from early_exit_router.decode.ask import deciding_rows, every_row, fusable, fused_ask
 from early_exit_router.decode.drafters import NGRAM_LAYER
 from early_exit_router.decode.emit import append, choose, embed
 from early_exit_router.decode.state import DecodeState, Draft, Row, VerifyCycle
@@ -103,10 +103,10 @@ def try_exit(
     ranked: list[float] = []
     alternatives = alternatives if (trimmed or not sampling) and len(dec.rows) == 1 else 0
     t0 = time.perf_counter()
-    fused = fuses(dec, i, target, trimmed)
+    fused = trimmed and target is None and fusable(gate, i in dec.fill.blocks)
     if fused:  # the whole ask as one function (one graph when compiled), booked as routing with its head
         compiling = compiled_seconds(dec.stack)
-        logits, tokens, signals = fused_ask(dec, i, last, threshold, alternatives, gate_inputs_at(dec, i, last))
+        logits, tokens, signals = fused_ask(dec, i, last, threshold, alternatives, gate_inputs_at(dec, i, gate, last))
         ok, low, *chosen = signals.tolist()
         t0 += compiled_seconds(dec.stack) - compiling  # a first call's compiling is booked in compile_s
     else:
@@ -222,8 +222,7 @@ def exit_flags(
         flags = flags | (confidence >= threshold)
     if with_gate and gate is not None and learned is None:
         flags = flags & dec.rule.gate_allows(gate_probability_at(dec, i, gate, last))
-    active = _active(dec)
-    return flags, *every_row(flags, confidence, None if active is None else torch.tensor(active, device=flags.device))
+    return flags, *every_row(flags, confidence, deciding_rows(dec, flags.device))
 
 
 def gate_probability_at(
@@ -235,18 +234,21 @@ def gate_probability_at(
     trimmed: bool = False,
 ) -> torch.Tensor:
     """Exit `i`'s gate probability (b,) for the current slot, with the context features where it reads them."""
+    return dec.exit_drafter.gate_probability(gate, last, *_gate_context(dec, i, gate), logits, trimmed)
+
+
+def gate_inputs_at(
+    dec: DecodeState, i: int, gate: torch.nn.Module | None, last: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Exit `i`'s `gate`'s context features and n-gram tokens for the current slot (None where it reads none)."""
+    return dec.exit_drafter.gate_inputs(gate, last, *_gate_context(dec, i, gate))
+
+
+def _gate_context(dec: DecodeState, i: int, gate: torch.nn.Module | None) -> tuple[list[int] | None, float]:
+    """What exit `i`'s `gate` reads of the context: each row's n-gram token (None: it reads none), and the exit's
+    agreement estimate (the `recent_acceptance` it was trained on)."""
     tokens = [ngram_token(dec, row) for row in dec.rows] if dec.exit_drafter.needs_context(gate) else None
-    agreement = dec.tracker.estimate(("agree", i))
-    return dec.exit_drafter.gate_probability(gate, last, tokens, agreement, logits, trimmed)
-
-
-def gate_inputs_at(dec: DecodeState, i: int, last: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Exit `i`'s gate's context features and n-gram tokens for the current slot (None where it reads none)."""
-    gate = dec.exit_drafter.gate(i)
-    if gate is None or not dec.exit_drafter.needs_context(gate):
-        return None, None
-    tokens = [ngram_token(dec, row) for row in dec.rows]
-    return dec.exit_drafter.gate_inputs(gate, last, tokens, dec.tracker.estimate(("agree", i)))
+    return tokens, dec.tracker.estimate(("agree", i))
 
 
 def _deciding(dec: DecodeState) -> list[tuple[list[int], int]]:
@@ -255,16 +257,8 @@ def _deciding(dec: DecodeState) -> list[tuple[list[int], int]]:
 
 
 def _every_active(dec: DecodeState, flags: torch.Tensor) -> bool:
-    active = _active(dec)
-    if active is None:
-        return bool(flags.all())
-    return bool((flags | ~torch.tensor(active, device=flags.device)).all())
-
-
-def _active(dec: DecodeState) -> list[bool] | None:
-    """Which rows still decide (None: all of them)."""
-    active = [not row.done for row in dec.rows]
-    return None if all(active) else active
+    active = deciding_rows(dec, flags.device)
+    return bool(flags.all() if active is None else (flags | ~active).all())
 
 
 def probe_exits(dec: DecodeState, shadows: list[tuple[int, torch.Tensor]]) -> None:

@@ -408,10 +408,8 @@ def without_idle_blocks(config: Any, heads: Any, costs: CostModel) -> tuple[Any,
     made every step about 7% dearer). An exit whose drafts do not beat plain decoding at its starting estimate
     (`exit_acceptance_prior`, else `acceptance_prior`) would pay that for its probes alone, so it sits out, as block
     exits do in batches; a prior at or above its break-even keeps it."""
-    from early_exit_router.heads.adapters import needs_context
-
     consulted = config.consulted_exit_layers()
-    blocks = [e for e in consulted if needs_context(heads.adapter(e))]
+    blocks = [e for e in consulted if e in heads.context_exits()]
     if not blocks:
         return config, []
     # an exit's break-even depends on its own costs alone: a policy over the block exits prices them as the
