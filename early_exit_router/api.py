@@ -49,7 +49,7 @@ from early_exit_router.models import _compat
 from early_exit_router.models.architecture import LayerStack
 from early_exit_router.models.discovery import stack_for
 from early_exit_router.models.loading import load_base_model, parse_dtype
-from early_exit_router.routing.costs import CostModel, chunk_widths, cost_key, cost_model_for, warm_widths
+from early_exit_router.routing.costs import CostModel, chunk_widths, config_costs, config_key, warm_widths
 from early_exit_router.routing.exit_rule import ExitRule, guards_repeats, word_ids
 from early_exit_router.routing.ngram import SuffixStore, store_for
 
@@ -452,10 +452,10 @@ class EarlyExitRouter:
         asks; the result is cached on disk (see `routing/costs.py`). `refresh=True` measures again."""
         if self.cost_model is not None and not refresh:
             return self.cost_model
-        key = cost_key(self.stack, (config := config or self.config).draft_vocab_size, compiled := config.compile)
+        key = config_key(self.stack, config := config or self.config)
         stale = self._measured is not None and self._measured.stale  # decoders timed steps the table does not fit
         if refresh or stale or self._measured is None or self._measured.key != key:  # in memory: no disk read per call
-            self._measured = cost_model_for(self.stack, self.heads, key["draft_vocab_size"], refresh or stale, compiled)
+            self._measured = config_costs(self.stack, self.heads, config, refresh or stale)
         return self._measured
 
     def warm_up(self, new_tokens: int = 8) -> None:

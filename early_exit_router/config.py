@@ -22,6 +22,7 @@ from typing import Any
 from early_exit_router.config_checks import (
     as_exit_adapters,
     as_layers,
+    check_active_subset,
     check_booleans,
     check_cascade,
     check_drafting,
@@ -29,6 +30,7 @@ from early_exit_router.config_checks import (
     check_exit_layers,
     check_integers,
     check_monitoring,
+    check_saved_fields,
     check_unit_interval,
 )
 
@@ -317,6 +319,14 @@ class DraftingOptions:
             "does, not as bf16 rounding leaves them; logits come back as float32. No effect in float32."
         },
     )
+    half_draft_head: bool = field(
+        default=True,
+        metadata={
+            "help": "A float32 model's trimmed draft head keeps its rows in float16: half the bytes an exit's ask "
+            "reads (most of its cost) and half its copy beside the model, for logits within a few hundredths of "
+            "float32's. Verify mode's output is unchanged; exit mode can exit differently at near-ties. False: float32."
+        },
+    )
     compile: bool = field(
         default=False,
         metadata={
@@ -408,11 +418,8 @@ class MonitoringOptions:
 
 @dataclass
 class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayout):
-    """Configuration of the exit heads and their routing: the four groups' fields in one flat dataclass.
-
-    Validation happens in `__post_init__` (ranges that need no model; each group checks its own fields) and in
-    `check_model_depth` (exit layers against the model's depth).
-    """
+    """Configuration of the exit heads and their routing: the four groups' fields in one flat dataclass. Validation
+    happens in `__post_init__` (ranges that need no model) and `check_model_depth` (exit layers against the depth)."""
 
     def __post_init__(self) -> None:
         check_booleans(self)
@@ -420,11 +427,7 @@ class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayou
         self._check_cascade()
         self._check_drafting()
         self._check_monitoring()
-        if self.active_exit_layers is not None and self.exit_layers is not None:
-            if not set(self.active_exit_layers) <= set(self.exit_layers):
-                raise ValueError(
-                    f"active_exit_layers {self.active_exit_layers} must be a subset of exit_layers {self.exit_layers}."
-                )
+        check_active_subset(self.active_exit_layers, self.exit_layers)
 
     def check_model_depth(self, num_layers: int) -> None:
         """Raise a clear error when an exit layer does not fit a model with `num_layers` layers."""
@@ -485,12 +488,7 @@ class RouterConfig(MonitoringOptions, DraftingOptions, CascadeOptions, HeadLayou
         data = dict(data)
         if "controller_target" in data:  # 0.1.0 steered the exit agreement; the target is now the output's
             data.setdefault("target_agreement", data.pop("controller_target"))
-        unknown = sorted(set(data) - set(cls.field_names()))
-        if unknown:
-            raise ValueError(
-                f"Saved router config has unknown fields {unknown}; it was written by a newer early-exit-router. "
-                "Upgrade the package to load it."
-            )
+        check_saved_fields(data, cls.field_names())
         return cls(**data)
 
     def save(self, path: str | Path) -> None:

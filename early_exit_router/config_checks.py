@@ -144,3 +144,17 @@ def check_exit_depth(exit_layers: list[int], num_layers: int) -> None:
             f"Exit layers {bad} are out of range for a model with {num_layers} layers: use 0-based indices "
             f"from 0 to {num_layers - 2} (layer {num_layers - 1} is the full depth)."
         )
+
+
+def check_active_subset(active: list[int] | None, exit_layers: list[int] | None) -> None:
+    if active is not None and exit_layers is not None and not set(active) <= set(exit_layers):
+        raise ValueError(f"active_exit_layers {active} must be a subset of exit_layers {exit_layers}.")
+
+
+def check_saved_fields(data: Mapping[str, Any], names: Sequence[str]) -> None:
+    """A saved config's field names that this version does not know raise a clear error."""
+    if unknown := sorted(set(data) - set(names)):
+        raise ValueError(
+            f"Saved router config has unknown fields {unknown}; it was written by a newer early-exit-router. "
+            "Upgrade the package to load it."
+        )

@@ -55,18 +55,19 @@ def _deterministic_costs(request, monkeypatch):
     """Routers decide from a fixed synthetic cost table in tests, not one measured while other work shares the CPU:
     a measured table (cached per model shape, device and library versions) made the exit-mode ask rule and the
     policy's plans depend on timing. The table is flat (a bandwidth-bound device: asking an exit and drafting both
-    pay). Tests of the measurement call `costs.cost_model_for` or `costs.measure` themselves, and tests that assign
-    `router.cost_model` use their own; `@pytest.mark.measured_costs` opts a test out."""
+    pay). Tests of the measurement call `costs.cost_model_for` or `costs.measure` themselves (the router calls them
+    through `config_costs`), and tests that assign `router.cost_model` use their own; `@pytest.mark.measured_costs`
+    opts a test out."""
     if request.node.get_closest_marker("measured_costs"):
         yield
         return
     from early_exit_router import api as router_module
     from early_exit_router.routing.costs import CostModel
 
-    def flat(stack, heads, draft_vocab_size, refresh=False, compile=False):
+    def flat(stack, heads, config, refresh=False):
         return CostModel.synthetic(stack.num_layers, [1.0] * 16, [6.0] * 16, draft_head_ms=0.1)
 
-    monkeypatch.setattr(router_module, "cost_model_for", flat)
+    monkeypatch.setattr(router_module, "config_costs", flat)
     yield
 
 

@@ -12,7 +12,7 @@ import torch
 from early_exit_router import EarlyExitRouter
 from early_exit_router.decode.sampling import SamplingParams, TokenSelector
 from early_exit_router.decode.stopping import DecodeRequest
-from early_exit_router.routing import costs
+from early_exit_router.routing import costs, table_key
 from early_exit_router.routing.costs import CostModel, cost_model_for
 from early_exit_router.routing.ngram import NO_PROPOSAL, Proposal, SuffixStore
 from early_exit_router.routing.policy import (
@@ -575,11 +575,11 @@ def test_a_table_the_decoders_steps_do_not_fit_is_measured_again(monkeypatch):
     slow = CostModel.synthetic(6, [100.0] * 16, [600.0] * 16)  # predicts a 1.2 s step; the tiny model takes ~1 ms
     asked = []
 
-    def measured(stack, heads, vocab, refresh=False, compile=False):
+    def measured(stack, heads, config, refresh=False):
         asked.append(refresh)
         return slow
 
-    monkeypatch.setattr(api, "cost_model_for", measured)
+    monkeypatch.setattr(api, "config_costs", measured)
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], active_exit_layers=[], ngram_tier=False)
     router.generate(prompt(0), max_new_tokens=40, mode="verify")
     assert asked == [False] and slow.stale  # 39 plain steps, each far below the table's
@@ -591,9 +591,9 @@ def test_a_table_measured_on_another_processor_is_not_reused(monkeypatch):
     """A virtual machine may come back on another host's processor: the cost key names the CPU model, so a cached
     table from one model of processor is never read on another."""
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3])
-    monkeypatch.setattr(costs, "cpu_model", lambda: "Vendor A 9000")
+    monkeypatch.setattr(table_key, "cpu_model", lambda: "Vendor A 9000")
     first = costs.cost_key(router.stack, 0)
-    monkeypatch.setattr(costs, "cpu_model", lambda: "Vendor B 7000")
+    monkeypatch.setattr(table_key, "cpu_model", lambda: "Vendor B 7000")
     second = costs.cost_key(router.stack, 0)
     assert first["device"] == f"cpu:Vendor A 9000 x{os.cpu_count()}" and second["device"].startswith("cpu:Vendor B")
     assert costs.cache_path(first) != costs.cache_path(second)

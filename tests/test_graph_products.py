@@ -168,7 +168,7 @@ def test_the_compiled_decodes_cost_table_is_measured_on_the_compiled_passes(monk
     assert {key[-1] for key in seen if key[0] == "head"} == {1, SPAN}  # no packed copy: the head as a graph
     # a call whose config compiles decides from that table, another from the eager passes'
     asked = []
-    monkeypatch.setattr(api, "cost_model_for", lambda *args: asked.append(args[-1]) or table)
+    monkeypatch.setattr(api, "config_costs", lambda stack, heads, cfg, refresh: asked.append(cfg.compile) or table)
     router.cost_model = None
     for compile in (True, False):
         router.costs(config=router.config.replace(compile=compile))

@@ -23,7 +23,7 @@ from early_exit_router.decode.loop import Decoder
 from early_exit_router.decode.sampling import SamplingParams
 from early_exit_router.integrations.server import encoding
 from early_exit_router.integrations.server.scheduler import Job
-from early_exit_router.routing.costs import CostModel, cost_key
+from early_exit_router.routing.costs import CostModel, config_key
 
 from .test_server import MODEL, EarlyExitRouter, alone, client, openai, post, running_server
 
@@ -619,13 +619,13 @@ class _Steady(CostModel):
 def test_the_cost_table_is_measured_at_start_up_and_never_by_a_request(smol, monkeypatch):
     calls: list[int] = []
 
-    def measure(stack, heads, draft_vocab_size, refresh=False, compile=False):
-        calls.append(draft_vocab_size)
+    def measure(stack, heads, config, refresh=False):
+        calls.append(config.draft_vocab_size)
         table = _Steady.synthetic(stack.num_layers, [1.0] * 16, [6.0] * 16, draft_head_ms=0.1)
-        table.key = cost_key(stack, draft_vocab_size)  # as a measured table is keyed: what it depends on
+        table.key = config_key(stack, config)  # as a measured table is keyed: what it depends on
         return table
 
-    monkeypatch.setattr(router_module, "cost_model_for", measure)
+    monkeypatch.setattr(router_module, "config_costs", measure)
     monkeypatch.setattr(smol, "_measured", None)  # nothing measured yet (restored after the test)
     monkeypatch.setattr(smol, "cost_model", None)
     with running_server(smol) as (url, _):

@@ -60,7 +60,7 @@ def memory_budget(router: Any, context: int) -> MemoryBudget:
     stack, config = router.stack, router.config
     model = router.model
     base = tensor_bytes(list(model.parameters()) + list(model.buffers()))
-    heads, draft_bytes = router.heads.nbytes(stack, config.draft_vocab_size)
+    heads, draft_bytes = router.heads.nbytes(stack, config.draft_vocab_size, config.half_draft_head)
     window = getattr(stack.config, "sliding_window", None)
     kv = 0
     for kind, per_position in zip(stack.mask_kinds, kv_bytes_per_position(stack)):
@@ -104,7 +104,7 @@ def generation_bytes(router: Any, context: int) -> tuple[int, int]:
         gc.collect()  # the finished decoder's reference cycles
         torch.cuda.synchronize(stack.device)
         return int(torch.cuda.memory_allocated(stack.device)), int(torch.cuda.max_memory_allocated(stack.device))
-    draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
+    draft = router.heads.draft_head(stack, router.config.draft_vocab_size, router.config.half_draft_head)
     weights = list(router.model.parameters()) + list(router.model.buffers()) + list(router.heads.parameters())
     held = tensor_bytes(weights + ([] if draft is None else [draft.weight, draft.bias])) + cache_bytes(out.cache)
     held += packed_bytes(router)  # opaque tensors: counted as their weights' size, which is what they hold

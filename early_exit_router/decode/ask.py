@@ -122,7 +122,7 @@ def _run(
         # everything the graph specialises on, so that a new graph is timed as compiling where it is one
         entropy = (rule.entropy_decides, rule.config.entropy_threshold, rule.config.entropy_normalized)
         key = ("ask", drafter.exits[i], alternatives, active is None, gate_inputs[0] is None, *entropy,
-               tuple(drafter.draft.weight.shape))  # fmt: skip
+               tuple(drafter.draft.weight.shape), drafter.draft.weight.dtype)  # fmt: skip
         out = compiled_layers(stack).call(ask_signals, key, *args)
         if out is not None:
             return out

@@ -80,7 +80,7 @@ class ExitDrafter:
 
     def __init__(self, stack: LayerStack, heads: ExitHeads, config: RouterConfig, exits: list[int]) -> None:
         self.stack, self.heads, self.config, self.exits = stack, heads, config, exits
-        self.draft = heads.draft_head(stack, config.draft_vocab_size)
+        self.draft = heads.draft_head(stack, config.draft_vocab_size, config.half_draft_head)
         self.draft_ids = None if self.draft is None else self.draft.token_ids  # the draft logits' finite columns
 
     def gate(self, i: int) -> torch.nn.Module | None:

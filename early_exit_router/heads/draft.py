@@ -36,27 +36,44 @@ def exit_logits(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> 
     return stack.unembed(exit_normed(stack, adapter, hidden))
 
 
+# Where a CPU multiplies a float16 weight fast (a matrix-vector product accumulating in float32), it is only for a
+# few rows: wider products of a float16 weight fall to slower kernels (64 rows: 3.7x float32's time on an AVX2 host),
+# so those upcast the weight instead.
+HALF_ROWS_ON_CPU = 4
+
+
 class DraftHead(nn.Module):
     """The model's LM head restricted to a fixed set of token ids (a vocabulary-trimmed draft head, as in FR-Spec).
 
     A draft only has to propose tokens the deep pass will check with the full head, so a head over the K most
     frequent ids proposes nearly every token the full one would, at K / vocab of its cost (and its slice of the
-    weight stays in cache). The weight slice is a copy: K x hidden values beside the base model.
+    weight stays in cache). The weight slice is a copy: K x hidden values beside the base model, in the head's
+    compute dtype, or with `half` float16 where that is float32: half the bytes an ask reads, which are most of its
+    cost, for logits within a few hundredths of float32's (the products accumulate in float32 and are rounded to
+    float16; they come back in the compute dtype).
     """
 
-    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor) -> None:
+    def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor, half: bool = False) -> None:
         super().__init__()
         # dense(): a quantized LM head gives dense rows, so the draft head stays in the compute dtype.
         token_ids = token_ids.to(lm_head.weight.device)
         self.register_buffer("token_ids", token_ids, persistent=False)
-        self.register_buffer("weight", dense(lm_head.weight.detach())[token_ids].clone(), persistent=False)
+        rows = dense(lm_head.weight.detach())[token_ids]
+        dtype = torch.float16 if half and rows.dtype == torch.float32 else rows.dtype
+        self.register_buffer("weight", rows.to(dtype, copy=True), persistent=False)
         bias = getattr(lm_head, "bias", None)
-        rows = None if bias is None else dense(bias.detach())[token_ids].clone()
+        rows = None if bias is None else dense(bias.detach())[token_ids].to(self.weight.dtype, copy=True)
         self.register_buffer("bias", rows, persistent=False)
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
-        """(..., hidden) -> (..., K) logits over `token_ids`."""
-        return torch.nn.functional.linear(normed, self.weight, self.bias)
+        """(..., hidden) -> (..., K) logits over `token_ids`, in `normed`'s dtype."""
+        weight, bias = self.weight, self.bias
+        if weight.dtype == normed.dtype:
+            return torch.nn.functional.linear(normed, weight, bias)
+        if normed.device.type == "cpu" and normed[..., 0].numel() > HALF_ROWS_ON_CPU:
+            upcast = None if bias is None else bias.to(normed.dtype)
+            return torch.nn.functional.linear(normed, weight.to(normed.dtype), upcast)
+        return torch.nn.functional.linear(normed.to(weight.dtype), weight, bias).to(normed.dtype)
 
 
 def draft_logits(

@@ -116,8 +116,9 @@ class ExitHeads(nn.Module):
             self.to(device=weight.device, dtype=dtype)
         return self
 
-    def draft_head(self, stack: Any, size: int) -> DraftHead | None:
-        """The trimmed draft head over `size` token ids (None when `size` covers the vocabulary).
+    def draft_head(self, stack: Any, size: int, half: bool = False) -> DraftHead | None:
+        """The trimmed draft head over `size` token ids (None when `size` covers the vocabulary); `half`: its rows in
+        float16 where the head computes in float32 (`DraftHead`), as decodes run it under `half_draft_head`.
 
         The ids are the first `size` of `draft_ranking` (the model's own most frequent next tokens, measured when
         the heads were trained), or else the first `size` ids, whose BPE merge order follows frequency roughly.
@@ -126,13 +127,13 @@ class ExitHeads(nn.Module):
         if size <= 0 or size >= stack.vocab_size:
             return None
         weight = stack.lm_head.weight
-        key = (size, weight.device, weight.dtype, weight.data_ptr())
+        key = (size, half, weight.device, weight.dtype, weight.data_ptr())
         cached = self.__dict__.setdefault("_draft_heads", {})
         if key not in cached:
             cached.clear()  # one size at a time: a stale slice is memory for nothing
             ranking = self.draft_token_ranking()
             ids = torch.arange(size) if ranking is None else ranking[:size].sort().values.cpu()
-            cached[key] = DraftHead(stack.lm_head, ids)
+            cached[key] = DraftHead(stack.lm_head, ids, half)
         return cached[key]
 
     def draft_token_ranking(self) -> torch.Tensor | None:
@@ -158,10 +159,10 @@ class ExitHeads(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def nbytes(self, stack: Any, draft_vocab_size: int) -> tuple[int, int]:
+    def nbytes(self, stack: Any, draft_vocab_size: int, half: bool = False) -> tuple[int, int]:
         """Bytes these heads add to the model: (exit adapters and gates, the trimmed draft head's copy of the LM
-        head's rows; 0 where the draft head is the full head)."""
-        draft = self.draft_head(stack, draft_vocab_size)
+        head's rows, in float16 with `half`; 0 where the draft head is the full head)."""
+        draft = self.draft_head(stack, draft_vocab_size, half)
         return tensor_bytes(list(self.parameters())), 0 if draft is None else tensor_bytes([draft.weight, draft.bias])
 
     def describe(self, name: str, stack: Any, config: Any, share: float) -> str:

@@ -182,7 +182,9 @@ def export_draft(router: Any, exit_layer: int, out: str | Path) -> DraftExport:
         dtype=str(router.stack.dtype).replace("torch.", ""),
         base=_base_path(router.model),
         kv_bytes_per_token=sum(kv_bytes_per_position(router.stack)[: draft.config.num_hidden_layers]),
-        router_bytes=sum(router.heads.nbytes(router.stack, router.config.draft_vocab_size)),
+        router_bytes=sum(
+            router.heads.nbytes(router.stack, router.config.draft_vocab_size, router.config.half_draft_head)
+        ),
     )
     info = {
         **asdict(result),

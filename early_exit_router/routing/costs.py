@@ -22,7 +22,6 @@ BUSY_RETRIES busy ones in a row say that this is how the machine is, so a busy m
 from __future__ import annotations
 
 import bisect
-import functools
 import hashlib
 import json
 import logging
@@ -36,13 +35,13 @@ from typing import Any
 
 import torch
 
-from early_exit_router.models.compiled import GROUP, SHAPES, compiles_here
+from early_exit_router.models.compiled import GROUP, compiles_here
 from early_exit_router.models.kernels import rising_within
 from early_exit_router.routing.cpu_load import other_work_share, read_cpu
+from early_exit_router.routing.table_key import MEASURED_CHUNKS, cost_key, cpu_model, device_name  # noqa: F401
 
 COST_FORMAT_VERSION = 4  # 4: keyed by the compiled graphs; 3: fixed chunk lengths; 2: interleaved rounds, a real step
 PAD_MIN_GAIN = 0.15  # pad a chunk only when the padded length is measured at least this much cheaper
-MEASURED_CHUNKS = (*range(1, 17), 24, 32, 48, 64)  # chunk lengths timed: dense where drafts live, sparse beyond
 # A consistent table: a longer chunk costs at least this share of one position, and a timed real step lies within
 # this factor of the table's plain step.
 MIN_CHUNK_RATIO = 0.5
@@ -259,64 +258,6 @@ def warm_widths(stack: Any, widths: list[int]) -> None:
         stack.logits(hidden, precise=True)
 
 
-def device_name(device: torch.device) -> str:
-    """The device's model as costs depend on it: the GPU's name, or the CPU's model and core count (a virtual
-    machine may come back on another host's processor, whose kernels price a pass differently)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{cpu_model()} x{os.cpu_count()}"
-
-
-@functools.cache  # read once per process: cost_key asks on every generate call
-def cpu_model() -> str:
-    """The processor's model name ("cpu" where the system does not say)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                return line.split(":", 1)[1].strip() or "cpu"
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"
-
-
-def cost_key(stack: Any, draft_vocab_size: int, compile: bool = False) -> dict[str, Any]:
-    """What the measured costs depend on: the model's shape, the device (`device_name`), dtype, threads and library
-    versions, the draft head's size, and whether passes run as compiled graphs (`compile`, where they compile here:
-    `compiles_here`); no other per-call option (a request's `max_pending` never starts a measurement)."""
-    import transformers
-
-    from early_exit_router._version import __version__
-
-    cfg = stack.config
-    device = stack.device
-    return {
-        "model_type": str(getattr(cfg, "model_type", "")),
-        "num_layers": stack.num_layers,
-        "hidden_size": stack.hidden_size,
-        "intermediate_size": getattr(cfg, "intermediate_size", None),
-        "num_attention_heads": getattr(cfg, "num_attention_heads", None),
-        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None),
-        "vocab_size": stack.vocab_size,
-        "device": f"{device.type}:{device_name(device)}",
-        "dtype": str(stack.dtype).replace("torch.", ""),
-        "weights": sorted(stack.weight_formats()),  # a quantized base has costs of its own
-        "packed_weights": len(stack.packed_weights or ()),  # products from prepacked weights cost less
-        "packed_kernels": stack.packed_weights.kernels if stack.packed_weights else [],
-        "packed_min_rows": stack.packed_weights.min_rows if stack.packed_weights else 1,
-        "packed_max_rows": stack.packed_weights.max_rows if stack.packed_weights else None,
-        "packed_groups": stack.packed_weights.groups if stack.packed_weights else 0,  # stacked: fewer products
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "library": __version__,
-        "draft_vocab_size": draft_vocab_size,
-        "chunks": list(MEASURED_CHUNKS),
-        "compiled": list(SHAPES) if compile and compiles_here(stack) else [],  # the graphs passes run as
-    }
-
-
 def cache_path(key: dict[str, Any]) -> Path:
     from early_exit_router.models.loading import cache_root
 
@@ -375,6 +316,7 @@ def measure(
     rounds: int = 3,
     probe_layers: int = 4,
     compile: bool = False,
+    half_draft: bool = False,
 ) -> CostModel:
     """Time `probe_layers` decoder layers at each of the chunk lengths `chunks` over a cache of `context` positions,
     the full head at as many rows, one draft-head row and one gate call. Layers of one model share their shape, so a
@@ -438,25 +380,31 @@ def measure(
     adapter = heads.adapter(exit_layer) if exit_layer is not None else None
     if needs_context(adapter):  # a block adapter costs one decoder layer: the policy adds it from the layer table
         adapter = None
-    draft = heads.draft_head(stack, draft_vocab_size) if draft_vocab_size else None
+    draft = heads.draft_head(stack, draft_vocab_size, half_draft) if draft_vocab_size else None
     draft_ms = timed(lambda: draft_logits(stack, adapter, draft, row)) if exit_layer is not None else 0.0
     gate = heads.gate(exit_layer) if exit_layer is not None else None
     gate_ms = 0.0
     if gate is not None:  # a head gate also reads the head's output: time it with the features it computes
         logits = draft_logits(stack, adapter, draft, row)
         gate_ms = timed(lambda: gate_probability(gate, row, None, logits, None, draft))
-    key = cost_key(stack, draft_vocab_size, compile)
+    key = cost_key(stack, draft_vocab_size, compile, half_draft)
     return CostModel(layer_ms, head_ms, draft_ms, gate_ms, stack.num_layers, key, context, real_step_ms, list(chunks))
 
 
 def cost_model_for(
-    stack: Any, heads: Any, draft_vocab_size: int, refresh: bool = False, compile: bool = False, tries: int = 2
+    stack: Any,
+    heads: Any,
+    draft_vocab_size: int,
+    refresh: bool = False,
+    compile: bool = False,
+    tries: int = 2,
+    half_draft: bool = False,
 ) -> CostModel:
     """The cached cost model for this model and device; when missing (or implausible, or measured busy fewer than
     BUSY_RETRIES times in a row), measured (a few seconds, said in one log line) and cached. A table that still has
     problems after `tries` measurements is kept for this process only, and decoders do not draft from it
-    (`CostModel.problems`). `compile`: the table of the compiled passes (`measure`)."""
-    key = cost_key(stack, draft_vocab_size, compile)
+    (`CostModel.problems`). `compile`, `half_draft`: the table of the compiled passes, of a float16 draft head."""
+    key = cost_key(stack, draft_vocab_size, compile, half_draft)
     cached = None if refresh else load_cached(key)
     busy_before = cached.busy_measurements if cached is not None else 0
     wrong = cached is not None and bool(cached.problems())
@@ -475,7 +423,7 @@ def cost_model_for(
             path,
         )
         before = read_cpu()
-        model = measure(stack, heads, draft_vocab_size, compile=compile)
+        model = measure(stack, heads, draft_vocab_size, compile=compile, half_draft=half_draft)
         busy = other_work_share(before, read_cpu())
         found = model.problems()
         if not found and busy is not None and busy > BUSY_SHARE:
@@ -498,3 +446,14 @@ def cost_model_for(
         logger.warning("early-exit-router: the measured costs look wrong (%s)%s", "; ".join(found),
                        ", measuring again" if attempt + 1 < tries else ": not cached, decoding plainly")  # fmt: skip
     return model
+
+
+def config_key(stack: Any, config: Any) -> dict[str, Any]:
+    """`cost_key` for what `config` runs: its draft head (size, precision) and its passes (compiled or not)."""
+    return cost_key(stack, config.draft_vocab_size, config.compile, config.half_draft_head)
+
+
+def config_costs(stack: Any, heads: Any, config: Any, refresh: bool = False) -> CostModel:
+    """`cost_model_for` the draft head and passes `config` runs."""
+    half = config.half_draft_head
+    return cost_model_for(stack, heads, config.draft_vocab_size, refresh, config.compile, half_draft=half)
