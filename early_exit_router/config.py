@@ -322,9 +322,10 @@ class DraftingOptions:
     half_draft_head: bool = field(
         default=True,
         metadata={
-            "help": "A float32 model's trimmed draft head keeps its rows in float16: half the bytes an exit's ask "
-            "reads (most of its cost) and half its copy beside the model, for logits within a few hundredths of "
-            "float32's. Verify mode's output is unchanged; exit mode can exit differently at near-ties. False: float32."
+            "help": "On an x86 CPU a float32 model's trimmed draft head keeps its rows in float16: half the bytes an "
+            "exit's ask reads (most of its cost) and of its copy, for logits within a few hundredths of float32's. "
+            "Verify mode's output is unchanged; exit mode can exit differently at near-ties. False (and GPUs, until "
+            "measured there): float32 rows."
         },
     )
     compile: bool = field(

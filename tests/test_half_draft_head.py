@@ -3,13 +3,15 @@ of more rows than the CPU's fast path takes from the upcast weight, verify mode 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
 
 from early_exit_router import EarlyExitRouter
 from early_exit_router.decode.drafters import ExitDrafter
-from early_exit_router.heads.draft import HALF_ROWS_ON_CPU, DraftHead
+from early_exit_router.heads.draft import HALF_ROWS_ON_CPU, DraftHead, half_rows_pay, keeps_half_rows
 from early_exit_router.routing import costs
 
 from .conftest import MIXED, VOCAB, prompt, tiny_llama
@@ -39,9 +41,34 @@ def test_half_rows_give_the_products_of_their_rounded_weights(rows, bias):
     assert torch.equal(out.argmax(-1), full(x).argmax(-1))
 
 
-def test_only_a_float32_head_is_halved():
-    router = EarlyExitRouter.from_model(tiny_llama(0, dtype=torch.bfloat16), exit_layers=[1, 3], **RANKED)
-    assert router.heads.draft_head(router.stack, 32, half=True).weight.dtype == torch.bfloat16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_keeps_its_rows_and_one_cost_table(dtype):
+    router = EarlyExitRouter.from_model(tiny_llama(0, dtype=dtype), exit_layers=[1, 3], **RANKED)
+    stack, heads = router.stack, router.heads
+    draft = heads.draft_head(stack, 32, half=True)
+    assert draft is heads.draft_head(stack, 32) and draft.weight.dtype == dtype  # one head, built once
+    normed = torch.randn(2, 3, 32, dtype=dtype)
+    assert draft(normed).dtype == dtype and draft(normed).shape == (2, 3, 32)
+    on, off = router.config, router.config.replace(half_draft_head=False)
+    assert costs.config_key(stack, on) == costs.config_key(stack, off)  # the same head: the same table
+
+
+def test_float16_rows_only_where_they_pay(monkeypatch):
+    """An x86 CPU with torch's float16 matrix-vector path (torch 2.6 on); GPUs keep float32 rows until measured."""
+    cpu = SimpleNamespace(dtype=torch.float32, device=torch.device("cpu"))
+    assert keeps_half_rows(cpu, True) == half_rows_pay("cpu") and not keeps_half_rows(cpu, False)
+    assert not keeps_half_rows(SimpleNamespace(dtype=torch.float32, device=torch.device("cuda")), True)
+    half_rows_pay.cache_clear()
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    try:
+        assert not half_rows_pay("cpu")
+    finally:
+        monkeypatch.undo()
+        half_rows_pay.cache_clear()
+
+
+# the CPU this runs on keeps float16 rows where torch multiplies them fast (x86, torch 2.6 on)
+HALF = torch.float16 if half_rows_pay("cpu") else torch.float32
 
 
 def test_decodes_draft_from_the_half_head_by_default_and_verify_stays_exact():
@@ -51,10 +78,10 @@ def test_decodes_draft_from_the_half_head_by_default_and_verify_stays_exact():
     router = EarlyExitRouter.from_model(model, exit_layers=[1, 3], **RANKED)
     stack, heads, config = router.stack, router.heads, router.config
     assert config.half_draft_head
-    assert ExitDrafter(stack, heads, config, [1, 3]).draft.weight.dtype == torch.float16
+    assert ExitDrafter(stack, heads, config, [1, 3]).draft.weight.dtype == HALF
     off = config.replace(half_draft_head=False)
     assert ExitDrafter(stack, heads, off, [1, 3]).draft.weight.dtype == torch.float32
-    assert heads.nbytes(stack, 32, half=True)[1] * 2 == heads.nbytes(stack, 32)[1]
+    assert heads.nbytes(stack, 32, half=True)[1] * 4 == heads.nbytes(stack, 32)[1] * HALF.itemsize
     for cfg in ({}, {"half_draft_head": False}):
         out = router.generate(ids, max_new_tokens=24, mode="verify", config=cfg)
         assert torch.equal(out.sequences, reference)
@@ -65,6 +92,9 @@ def test_the_half_head_has_a_cost_table_of_its_own():
     router = EarlyExitRouter.from_model(tiny_llama(0), exit_layers=[1, 3], **RANKED)
     on = costs.config_key(router.stack, router.config)
     off = costs.config_key(router.stack, router.config.replace(half_draft_head=False))
-    assert on["half_draft_head"] and not off["half_draft_head"] and costs.cache_path(on) != costs.cache_path(off)
+    assert on["half_draft_head"] == (HALF == torch.float16) and not off["half_draft_head"]
+    assert costs.cache_path(on) != costs.cache_path(off) or HALF == torch.float32
+    built, real = [], router.heads.draft_head
+    router.heads.draft_head = lambda *args: built.append(real(*args).weight.dtype) or real(*args)
     table = costs.measure(router.stack, router.heads, 32, chunks=(1, 2), reps=1, rounds=1, half_draft=True)
-    assert table.key == on and table.draft_head_ms > 0
+    assert table.key == on and table.draft_head_ms > 0 and built == [HALF]  # the head decodes run was timed

@@ -7,6 +7,7 @@ import torch
 
 from early_exit_router import EarlyExitRouter
 from early_exit_router.bench.memory import cache_bytes, measured_bytes, memory_budget
+from early_exit_router.heads.draft import half_rows_pay
 
 from .conftest import MIXED, tiny_llama
 
@@ -20,7 +21,7 @@ def test_the_budget_matches_what_a_generation_holds(context):
         model.lm_head.weight.numel() * 4 if model.config.tie_word_embeddings else 0
     ) + sum(b.numel() * b.element_size() for b in model.buffers())
     assert budget.heads == router.num_added_parameters() * 4
-    assert budget.draft_head == 32 * 32 * 2  # float16 rows (half_draft_head) of the 32-token trimmed head
+    assert budget.draft_head == 32 * 32 * (2 if half_rows_pay("cpu") else 4)  # float16 rows where they pay
     out = router.generate(torch.randint(1, 90, (1, context)), max_new_tokens=1, mode="verify")
     assert cache_bytes(out.cache) == budget.kv_cache
     measured = measured_bytes(router, context)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+from functools import cache
 from typing import Any
 
 import torch
@@ -37,9 +39,26 @@ def exit_logits(stack: Any, adapter: nn.Module | None, hidden: torch.Tensor) -> 
 
 
 # Where a CPU multiplies a float16 weight fast (a matrix-vector product accumulating in float32), it is only for a
-# few rows: wider products of a float16 weight fall to slower kernels (64 rows: 3.7x float32's time on an AVX2 host),
-# so those upcast the weight instead.
-HALF_ROWS_ON_CPU = 4
+# few rows: wider products of a float16 weight fall to slower kernels (on an AVX2 host, SmolLM2's 4096-row head read
+# from memory: 6 rows as fast as float32 rows, 8 rows 1.4x their time, 64 rows 4.5x), so those multiply by the rows
+# upcast instead (8 rows 1.4x, 64 rows 1.2x the float32 rows' time: the upcast copy's traffic).
+HALF_ROWS_ON_CPU = 6
+
+
+@cache
+def half_rows_pay(device_type: str) -> bool:
+    """Whether float16 draft rows are faster than float32 ones on this kind of device: an x86 CPU whose torch has the
+    float16 matrix-vector path with float32 accumulation (torch 2.6 on, pytorch#137918; before it, float16 products
+    ran several times slower than float32 ones there). GPUs and other CPUs keep float32 rows until measured there."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return device_type == "cpu" and x86 and (major, minor) >= (2, 6)
+
+
+def keeps_half_rows(stack: Any, half: bool) -> bool:
+    """Whether a draft head asked for float16 rows (`half_draft_head`) keeps them on `stack`'s model: a float32
+    model on a device where they pay (`half_rows_pay`); elsewhere the rows stay in the compute dtype."""
+    return half and stack.dtype == torch.float32 and half_rows_pay(stack.device.type)
 
 
 class DraftHead(nn.Module):
@@ -55,7 +74,7 @@ class DraftHead(nn.Module):
 
     def __init__(self, lm_head: nn.Module, token_ids: torch.Tensor, half: bool = False) -> None:
         super().__init__()
-        # dense(): a quantized LM head gives dense rows, so the draft head stays in the compute dtype.
+        # dense(): a quantized LM head gives dense rows, in the compute dtype unless `half` asks for float16 ones.
         token_ids = token_ids.to(lm_head.weight.device)
         self.register_buffer("token_ids", token_ids, persistent=False)
         rows = dense(lm_head.weight.detach())[token_ids]

@@ -21,7 +21,7 @@ from early_exit_router.heads.adapters import (
     needs_context,
 )
 from early_exit_router.heads.block import BLOCK_KINDS, BlockAdapter, block_source
-from early_exit_router.heads.draft import DraftHead
+from early_exit_router.heads.draft import DraftHead, keeps_half_rows
 from early_exit_router.heads.gates import LearnedGate
 from early_exit_router.models.sizes import tensor_bytes
 
@@ -118,19 +118,23 @@ class ExitHeads(nn.Module):
 
     def draft_head(self, stack: Any, size: int, half: bool = False) -> DraftHead | None:
         """The trimmed draft head over `size` token ids (None when `size` covers the vocabulary); `half`: its rows in
-        float16 where the head computes in float32 (`DraftHead`), as decodes run it under `half_draft_head`.
+        float16 where they pay (`keeps_half_rows`), as decodes run it under `half_draft_head`.
 
         The ids are the first `size` of `draft_ranking` (the model's own most frequent next tokens, measured when
         the heads were trained), or else the first `size` ids, whose BPE merge order follows frequency roughly.
-        Built once per size, device, dtype and head weight, and kept outside the module tree (a plain attribute),
-        so that it never enters a state_dict."""
+        Built once per size, precision, device, dtype and head weight, and kept outside the module tree (a plain
+        attribute), so that it never enters a state_dict."""
         if size <= 0 or size >= stack.vocab_size:
             return None
         weight = stack.lm_head.weight
+        half = keeps_half_rows(stack, half)
         key = (size, half, weight.device, weight.dtype, weight.data_ptr())
         cached = self.__dict__.setdefault("_draft_heads", {})
         if key not in cached:
-            cached.clear()  # one size at a time: a stale slice is memory for nothing
+            # one size of one weight at a time (a stale slice is memory for nothing), in either precision: training
+            # reads the float32 rows, decodes the float16 ones
+            for stale in [k for k in cached if k[:1] + k[2:] != key[:1] + key[2:]]:
+                del cached[stale]
             ranking = self.draft_token_ranking()
             ids = torch.arange(size) if ranking is None else ranking[:size].sort().values.cpu()
             cached[key] = DraftHead(stack.lm_head, ids, half)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from early_exit_router.heads.draft import keeps_half_rows
 from early_exit_router.models.compiled import SHAPES, compiles_here
 
 MEASURED_CHUNKS = (*range(1, 17), 24, 32, 48, 64)  # chunk lengths timed: dense where drafts live, sparse beyond
@@ -69,7 +70,7 @@ def cost_key(stack: Any, draft_vocab_size: int, compile: bool = False, half_draf
         "transformers": transformers.__version__,
         "library": __version__,
         "draft_vocab_size": draft_vocab_size,
-        "half_draft_head": half_draft,
+        "half_draft_head": keeps_half_rows(stack, half_draft),  # what the head keeps, not what was asked
         "chunks": list(MEASURED_CHUNKS),
         "compiled": list(SHAPES) if compile and compiles_here(stack) else [],  # the graphs passes run as
     }

@@ -99,7 +99,7 @@ def against_original(
         original = load_base_model(base, router.stack.dtype, router.stack.device)[0]
     except (OSError, ValueError) as exc:
         return f"the adapted base's original ({base}) could not be loaded to compare with: {exc}", {}
-    draft = router.heads.draft_head(router.stack, router.config.draft_vocab_size)
+    draft = router.heads.draft_head(router.stack, router.config.draft_vocab_size, router.config.half_draft_head)
     out, figures = [], {}
     for name, sequences in sources.items():
         chunks = cut_chunks(sequences, chunk_len)
@@ -129,7 +129,7 @@ def draft_path_agreement(
     stack, path = router.stack, router.draft_path
     at = path.exit_layer
     head = router.heads.adapter(at) if at in router.exit_layers else None
-    draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
+    draft = router.heads.draft_head(stack, router.config.draft_vocab_size, router.config.half_draft_head)
 
     def top1(hidden: torch.Tensor) -> torch.Tensor:
         logits = draft_logits(stack, head, draft, hidden, trimmed=True)

@@ -57,7 +57,7 @@ def exit_head_features(router: Any, cache: HiddenStateCache, layer: int, proposa
     """(N, len(HEAD_FEATURES)) what a head gate reads off exit `layer`'s draft head at every cached position, with
     the n-gram tier's replayed `proposals` (N,)."""
     stack, batch = router.stack, batch_size_for(cache)
-    draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
+    draft = router.heads.draft_head(stack, router.config.draft_vocab_size, router.config.half_draft_head)
     adapter = router.heads.adapter(layer)
     return torch.cat(
         [

@@ -56,7 +56,7 @@ def exit_signals(router, cache: HiddenStateCache, batch: int = 1024) -> list[Exi
     decide = ExitRule(config, stack.vocab_size)
     target = teacher_top1(router, cache, batch)
     batch = batch_size_for(cache, batch)
-    draft = router.heads.draft_head(stack, config.draft_vocab_size)  # the head the engine drafts from
+    draft = router.heads.draft_head(stack, config.draft_vocab_size, config.half_draft_head)  # as the engine drafts
     out, proposals = [], None  # the n-gram tier's replayed proposals depend on the text alone: computed once
     for layer in router.heads.exit_layers:
         lens, agree, flags, gates, confs, ents, ranks = [], [], [], [], [], [], []

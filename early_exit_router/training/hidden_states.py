@@ -202,7 +202,7 @@ def exit_top1(
     trimmed draft head where the router drafts from one; with `with_confidence`, also (N,) its probability."""
     adapter = router.heads.adapter(layer) if trained else None
     stack, batch = router.stack, batch_size_for(cache)
-    draft = router.heads.draft_head(stack, router.config.draft_vocab_size)
+    draft = router.heads.draft_head(stack, router.config.draft_vocab_size, router.config.half_draft_head)
     tops, confidences = [], []
     for s in range(0, len(cache), batch):
         logits = head_logits(stack, adapter, cache.exits[layer][s : s + batch], cache.chunk_len, draft)
