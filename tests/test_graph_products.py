@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(not graph_products.available(), reason="this tor
 
 @pytest.fixture
 def counted_products(monkeypatch):
-    """The float32 kernel packing even tiny weights, and a list counting its products (the rows of each)."""
+    """The float32 kernel packing even tiny weights, and a list counting its products (the rows of each): graphs call
+    them through the operator's Python body (`call=None`), as where a kernel names no operator of its own."""
     kernel = kernels.float32_kernel()
     if kernel is None:
         pytest.skip("this torch build has no float32 packed product")
@@ -34,7 +35,9 @@ def counted_products(monkeypatch):
         calls.append(rows)
         return kernel.product(x, packed, weight, bias, rows)
 
-    monkeypatch.setattr(kernels, "float32_kernel", lambda: dataclasses.replace(kernel, product=counted, min_rows=1))
+    monkeypatch.setattr(
+        kernels, "float32_kernel", lambda: dataclasses.replace(kernel, product=counted, min_rows=1, call=None)
+    )
     return calls
 
 
@@ -117,6 +120,54 @@ def test_verify_mode_through_packed_graph_products_keeps_the_contract(counted_pr
     widths = set(counted_products)  # the prompt's eager pass aside, products over each chunk's own rows
     assert 1 in widths and widths & {3, 5, 6, 7}  # passes at their own widths, not padded to 4 or 8
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+@pytest.mark.parametrize("name", ["onednn", "mkl"])
+def test_graphs_call_the_kernels_own_operator_once_per_stacked_group_with_an_eager_passs_states(monkeypatch, name):
+    from torch.profiler import profile
+
+    kernel = next(k for k in kernels.FLOAT32_KERNELS if k.name == name)
+    if not kernels._available(kernel):
+        pytest.skip(f"this torch build has no {name} packed product")
+    monkeypatch.setitem(packed_module.MIN_ELEMENTS, torch.float32, 0)
+    python_rows = []
+
+    def counted(x, packed, weight, bias, rows):  # the Python body's product
+        python_rows.append(rows)
+        return kernel.product(x, packed, weight, bias, rows)
+
+    chosen = dataclasses.replace(kernel, product=counted, min_rows=1)
+    monkeypatch.setattr(kernels, "float32_kernel", lambda: chosen)
+    operator = chosen.call(None, None, None, None, 1)[0]
+    router = compiled_router(tiny_llama(3))
+    stack = router.stack
+    context, widths = 6, (1, 3)
+    total = context + sum(widths)
+    states = torch.randn(1, total, stack.hidden_size, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(total).unsqueeze(0)
+    static, dynamic = stack.new_cache(total), stack.new_cache()
+    with torch.inference_mode():
+        for cache in (static, dynamic):
+            stack._run(states[:, :context], 0, stack.num_layers, cache, positions[:, :context])
+        done = context
+        for q in widths:
+            chunk, at = states[:, done : done + q], positions[:, done : done + q]
+            want = stack._run(chunk, 0, stack.num_layers, dynamic, at)
+            stack.run(chunk, 0, stack.num_layers, static, at)  # compiles
+            for j in range(stack.num_layers):
+                _compat.drop_static_slots(static.layers[j], q)
+            python_rows.clear()
+            with profile() as calls:
+                got = stack.run(chunk, 0, stack.num_layers, static, at)
+            library_calls = sum(e.count for e in calls.key_averages() if e.key == operator.name())
+            if kernel.static_rows and q > 1:  # the graph of 2 to 8 positions: its width is a symbol, not an int
+                assert (python_rows, library_calls) == ([q] * (4 * stack.num_layers), 4 * stack.num_layers)
+            else:  # straight from the graph: no Python product, one library call per stacked group
+                assert (python_rows, library_calls) == ([], 4 * stack.num_layers)
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+            done += q
+        for j in range(stack.num_layers):
+            assert torch.allclose(static.layers[j].keys[:, :, :done], dynamic.layers[j].keys, atol=1e-5, rtol=1e-5)
 
 
 def test_a_module_called_eagerly_while_a_graph_holds_its_copy_runs_its_own_forward(counted_products):

@@ -29,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,10 @@ class PackedKernel:
     product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
     min_rows: int = 1  # products over fewer rows take the module's own forward (F.linear)
     max_rows: int | None = None  # products over more rows (a prefill) take it too (None: no bound)
+    # The product as (its library operator, that operator's arguments), for a compiled graph to call the operator
+    # itself (`graph_products.py`); arguments as `product` takes them. None: graphs call `product`.
+    call: Callable[[Any, Any, Any, Any, Any], tuple[Any, tuple]] | None = None
+    static_rows: bool = False  # the operator takes the row count as an int: graphs of a symbolic width call `product`
 
 
 def _onednn_product(
@@ -61,11 +66,19 @@ def _onednn_product(
     return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
 
+def _onednn_call(x: Any, packed: Any, weight: Any, bias: Any, rows: Any) -> tuple[Any, tuple]:
+    return torch.ops.mkldnn._linear_pointwise.default, (x, packed, bias, "none", [], "")
+
+
 def _mkl_product(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
 ) -> torch.Tensor:
     # The row count told is x's own, whatever the copy was packed for: the op falls back to F.linear where they differ.
     return torch.ops.mkl._mkl_linear.default(x, packed, weight, bias, rows)
+
+
+def _mkl_call(x: Any, packed: Any, weight: Any, bias: Any, rows: Any) -> tuple[Any, tuple]:
+    return torch.ops.mkl._mkl_linear.default, (x, packed, weight, bias, rows)
 
 
 BFLOAT16 = PackedKernel(
@@ -77,6 +90,7 @@ BFLOAT16 = PackedKernel(
     bitwise=True,
     pack=lambda weight, rows: torch.ops.mkldnn._reorder_linear_weight(weight, rows),
     product=_onednn_product,
+    call=_onednn_call,
 )
 FLOAT32 = PackedKernel(
     name="mkl",
@@ -87,6 +101,8 @@ FLOAT32 = PackedKernel(
     bitwise=False,
     pack=lambda weight, rows: torch.ops.mkl._mkl_reorder_linear_weight(weight, rows),
     product=_mkl_product,
+    call=_mkl_call,
+    static_rows=True,  # `_mkl_linear`'s batch size is an int, not a symbol
     min_rows=2,  # `float32_kernel` sets it: from where it is measured faster than F.linear (`_fewest_rows`)
     max_rows=16,  # the head at 32 rows: 32 ms against F.linear's 18 (at 12: 15 against 27)
 )
@@ -99,6 +115,7 @@ FLOAT32_ONEDNN = PackedKernel(
     bitwise=False,
     pack=lambda weight, rows: torch.ops.mkldnn._reorder_linear_weight(weight, rows),
     product=_onednn_product,
+    call=_onednn_call,
     min_rows=2,  # `float32_kernel` sets it: from where it is measured faster than F.linear (`_fewest_rows`)
 )
 FLOAT32_KERNELS = (FLOAT32, FLOAT32_ONEDNN)

@@ -244,8 +244,8 @@ class PackedLinears:
 
     def graph_copies(self, modules: Iterable[nn.Module], rows: int) -> Iterator[tuple]:
         """For each of `modules` a packed copy serves at `rows` rows (packed again where its weight changed):
-        (module, copy, weight, bias, its columns of a stacked product or None): what a compiled graph's product
-        takes (`graph_products.py`)."""
+        (module, the kernel it was packed for, copy, weight, bias, its columns of a stacked product or None): what a
+        compiled graph's product takes (`graph_products.py`)."""
         for module in modules:
             entry = self._current(module)
             if entry is None or not entry.kernel.min_rows <= rows <= (entry.kernel.max_rows or rows):
@@ -255,10 +255,10 @@ class PackedLinears:
                 continue
             group = entry.group
             if group is None:
-                yield module, copy, module.weight, module.bias, None
+                yield module, entry.kernel, copy, module.weight, module.bias, None
             else:
                 columns = group.bounds[group.members.index(module)]
-                yield module, copy, group.weight, group.bias, columns
+                yield module, entry.kernel, copy, group.weight, group.bias, columns
 
     def _current(self, module: nn.Module) -> _Packed | None:
         """`module`'s entry, packed again where its weight changed in place or moved since (None: no copy, or
