@@ -211,6 +211,8 @@ def test_the_compiled_decodes_cost_table_is_measured_on_the_compiled_passes(monk
     router = compiled_router(tiny_llama(0))
     eager_key, compiled_key = costs.cost_key(router.stack, 0), costs.cost_key(router.stack, 0, compile=True)
     assert not eager_key["compiled"] and compiled_key["compiled"]
+    # a table priced graphs that call the kernels' operators, or their Python body: each its own entry
+    assert compiled_key["graph_products"] == graph_products.how() and eager_key["graph_products"] is None
     assert costs.cache_path(eager_key) != costs.cache_path(compiled_key)
     table = costs.measure(router.stack, router.heads, 0, chunks=(1, 2, 3, 8, 16), reps=1, rounds=1, compile=True)
     assert table.key == compiled_key and len(table.layer_ms) == 5

@@ -147,10 +147,15 @@ def compile_options() -> dict[str, Any]:
     return {} if SHARED_PRODUCTS is None else {"post_grad_custom_pre_pass": SHARED_PRODUCTS}
 
 
+def how() -> str:
+    """How this process's graphs compute packed products: "operators" (the kernels' own, `_lower`) or PYTHON."""
+    return "operators" if _LOWERED and _LOWERED[0] else PYTHON
+
+
 def graph_kernel(kernel: kernels.PackedKernel) -> str:
     """The name a graph's product carries for copies `kernel` packed: the kernel's own where a graph can call its
     operator (`_lower`), else PYTHON."""
-    return kernel.name if kernel.call is not None and _LOWERED and _LOWERED[0] else PYTHON
+    return kernel.name if kernel.call is not None and how() != PYTHON else PYTHON
 
 
 def available() -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from early_exit_router.heads.draft import keeps_half_rows
+from early_exit_router.models import graph_products
 from early_exit_router.models.compiled import SHAPES, compiles_here
 
 MEASURED_CHUNKS = (*range(1, 17), 24, 32, 48, 64)  # chunk lengths timed: dense where drafts live, sparse beyond
@@ -49,6 +50,7 @@ def cost_key(stack: Any, draft_vocab_size: int, compile: bool = False, half_draf
 
     cfg = stack.config
     device = stack.device
+    compiled = compile and compiles_here(stack)
     return {
         "model_type": str(getattr(cfg, "model_type", "")),
         "num_layers": stack.num_layers,
@@ -72,5 +74,6 @@ def cost_key(stack: Any, draft_vocab_size: int, compile: bool = False, half_draf
         "draft_vocab_size": draft_vocab_size,
         "half_draft_head": keeps_half_rows(stack, half_draft),  # what the head keeps, not what was asked
         "chunks": list(MEASURED_CHUNKS),
-        "compiled": list(SHAPES) if compile and compiles_here(stack) else [],  # the graphs passes run as
+        "compiled": list(SHAPES) if compiled else [],  # the graphs passes run as
+        "graph_products": graph_products.how() if compiled else None,  # what the graphs' products call
     }
