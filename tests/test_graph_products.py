@@ -122,13 +122,13 @@ def test_verify_mode_through_packed_graph_products_keeps_the_contract(counted_pr
     assert_cache_matches_full_forward(model, out.sequences, out.cache)
 
 
-@pytest.mark.parametrize("name", ["onednn", "mkl"])
-def test_graphs_call_the_kernels_own_operator_once_per_stacked_group_with_an_eager_passs_states(monkeypatch, name):
-    from torch.profiler import profile
-
-    kernel = next(k for k in kernels.FLOAT32_KERNELS if k.name == name)
+@pytest.fixture(params=["onednn", "mkl"])
+def own_operators(monkeypatch, request):
+    """Each float32 kernel in turn, packing even tiny weights, with graphs calling its own operator (`call`), and a
+    list counting the products its Python body makes (the rows of each)."""
+    kernel = next(k for k in kernels.FLOAT32_KERNELS if k.name == request.param)
     if not kernels._available(kernel):
-        pytest.skip(f"this torch build has no {name} packed product")
+        pytest.skip(f"this torch build has no {request.param} packed product")
     monkeypatch.setitem(packed_module.MIN_ELEMENTS, torch.float32, 0)
     python_rows = []
 
@@ -138,6 +138,24 @@ def test_graphs_call_the_kernels_own_operator_once_per_stacked_group_with_an_eag
 
     chosen = dataclasses.replace(kernel, product=counted, min_rows=1)
     monkeypatch.setattr(kernels, "float32_kernel", lambda: chosen)
+    return chosen, python_rows
+
+
+def test_verify_mode_through_the_kernels_own_operators_keeps_the_contract(own_operators):
+    model = tiny_llama(5)
+    ids = repetitive_prompt(5)
+    ref = model.generate(ids, max_new_tokens=32, do_sample=False)
+    router = compiled_router(model, ngram_draft=6, ngram_tree_nodes=6, max_pending=6)  # passes up to 8 positions
+    assert router.stack.packed_weights is not None and router.stack.packed_weights.groups > 0
+    out = router.generate(ids, max_new_tokens=32, mode="verify")
+    assert torch.equal(out.sequences, ref)
+    assert_cache_matches_full_forward(model, out.sequences, out.cache)
+
+
+def test_graphs_call_the_kernels_own_operator_once_per_stacked_group_with_an_eager_passs_states(own_operators):
+    from torch.profiler import profile
+
+    chosen, python_rows = own_operators
     operator = chosen.call(None, None, None, None, 1)[0]
     router = compiled_router(tiny_llama(3))
     stack = router.stack
@@ -160,7 +178,7 @@ def test_graphs_call_the_kernels_own_operator_once_per_stacked_group_with_an_eag
             with profile() as calls:
                 got = stack.run(chunk, 0, stack.num_layers, static, at)
             library_calls = sum(e.count for e in calls.key_averages() if e.key == operator.name())
-            if kernel.static_rows and q > 1:  # the graph of 2 to 8 positions: its width is a symbol, not an int
+            if chosen.static_rows and q > 1:  # the graph of 2 to 8 positions: its width is a symbol, not an int
                 assert (python_rows, library_calls) == ([q] * (4 * stack.num_layers), 4 * stack.num_layers)
             else:  # straight from the graph: no Python product, one library call per stacked group
                 assert (python_rows, library_calls) == ([], 4 * stack.num_layers)
